@@ -1,0 +1,75 @@
+"""The ``kvgate`` command: serve, demo, sim."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import logs
+from .settings import ConfigError, load_settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .app import build_app
+    from .serve import make_server, run, run_servers
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level)
+    app = build_app(settings)
+    servers = [make_server(app, settings.listen.host, settings.listen.port)]
+    admin = _admin_app(app)
+    if admin is not None and settings.admin.enabled:
+        servers.append(make_server(admin, settings.admin.host, settings.admin.port, lifespan="off"))
+    run(run_servers(servers))
+    return 0
+
+
+def _admin_app(app: object) -> object | None:
+    try:
+        from .admin import build_admin_app
+    except ImportError:
+        return None
+    return build_admin_app(app.state.runtime)  # type: ignore[attr-defined]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+    from .serve import run
+
+    return run(run_demo(port=args.port, replicas=args.replicas, time_scale=args.time_scale,
+                                semantic_cache=not args.no_semantic_cache))
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from vllm_sim.cli import run
+
+    return run(args) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate", description="OpenAI-compatible gateway for vLLM fleets")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway from a YAML config (KVGATE_* variables override it)")
+    serve.add_argument("--config", "-c", help="YAML config file (or KVGATE_CONFIG)")
+    serve.set_defaults(func=_serve)
+    demo = sub.add_parser("demo", help="kvgate in front of simulated vLLM replicas; no Redis, no GPU")
+    demo.add_argument("--port", type=int, default=8080)
+    demo.add_argument("--replicas", type=int, default=3)
+    demo.add_argument("--time-scale", type=float, default=0.2, help="simulated GPU time x this factor")
+    demo.add_argument("--no-semantic-cache", action="store_true")
+    demo.set_defaults(func=_demo)
+    sim = sub.add_parser("sim", help="one simulated vLLM replica")
+    from vllm_sim.cli import add_arguments
+
+    add_arguments(sim)
+    sim.set_defaults(func=_sim)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

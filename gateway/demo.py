@@ -1,0 +1,87 @@
+"""``kvgate demo``: kvgate in front of simulated vLLM replicas on loopback.
+
+No Redis, no GPU: three ``vllm_sim`` replicas run in this process, kvgate
+routes to them with its default policy, and the base URL plus a copy-paste
+OpenAI SDK snippet are printed.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Any
+
+from vllm_sim.config import SimConfig
+from vllm_sim.server import build_app as build_sim
+from vllm_sim.timing import TimingModel
+
+from . import logs
+from .app import build_app
+from .serve import make_server, run_servers
+from .settings import load_settings
+
+MODEL = "sim-model"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _banner(port: int, admin_port: int | None, replicas: list[tuple[str, int]]) -> str:
+    lines = [
+        "",
+        f"kvgate is up: base URL http://127.0.0.1:{port}/v1  (model '{MODEL}', any API key)",
+        "replicas: " + ", ".join(f"{n} on :{p}" for n, p in replicas),
+    ]
+    if admin_port:
+        lines.append(f"admin and status page: http://127.0.0.1:{admin_port}/  (token 'demo-admin-token')")
+    lines += [
+        "",
+        "Try it (pip install openai):",
+        "",
+        "    from openai import OpenAI",
+        f'    client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="demo")',
+        "    stream = client.chat.completions.create(",
+        f'        model="{MODEL}", stream=True,',
+        '        messages=[{"role": "system", "content": "You are a helpful assistant."},',
+        '                  {"role": "user", "content": "What is prefix caching?"}])',
+        "    for chunk in stream:",
+        '        print(chunk.choices[0].delta.content or "", end="", flush=True)',
+        "",
+        f"metrics: http://127.0.0.1:{port}/metrics   readiness: http://127.0.0.1:{port}/readyz",
+        "Ctrl-C stops everything.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+async def run_demo(port: int = 8080, replicas: int = 3, time_scale: float = 0.2,
+                   semantic_cache: bool = True) -> int:
+    logs.configure("warning")
+    sims: list[tuple[str, int]] = [(f"sim-{i + 1}", _free_port()) for i in range(replicas)]
+    servers: list[Any] = []
+    for name, sim_port in sims:
+        cfg = SimConfig(port=sim_port, model=MODEL, name=name, num_gpu_blocks=4096,
+                        timing=TimingModel(time_scale=time_scale))
+        servers.append(make_server(build_sim(cfg), "127.0.0.1", sim_port))
+    admin_port = _free_port()
+    settings = load_settings(overrides={
+        "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": admin_port, "token": "demo-admin-token"},
+        "replicas": [{"name": n, "url": f"http://127.0.0.1:{p}", "models": [MODEL]} for n, p in sims],
+        "semantic_cache": {"enabled": semantic_cache},
+    })
+    app = build_app(settings)
+    gateway = make_server(app, settings.listen.host, port)
+    admin = None
+    try:
+        from .admin import build_admin_app
+        admin = make_server(build_admin_app(app.state.runtime), "127.0.0.1", admin_port, lifespan="off")
+    except ImportError:
+        admin_port = 0
+    print(_banner(port, admin_port or None, sims), file=sys.stderr, flush=True)
+    # Replicas first: kvgate's start-up health check should find them up.
+    await run_servers([*servers, gateway, *([admin] if admin else [])])
+    return 0

@@ -1,0 +1,171 @@
+"""The hot path: parse, run policies, route, forward, stream back.
+
+One ASGI endpoint per OpenAI route. It holds no business logic of its own:
+validation (``validate``), tenant policy (``runtime.admit``), the semantic
+cache, routing (``upstream.open_upstream``) and relaying (``relay``) are
+each behind a narrow call. Errors become OpenAI-shaped responses here and
+nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from routing import RouteFeedback, RouteRequest
+
+from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_body, request_id, \
+    run_unless_disconnected
+from .errors import BadRequest, GatewayError, internal_error
+from .relay import Outcome, relay_stream, relay_whole
+from .sse import StreamObserver
+from .upstream import UpstreamCall, open_upstream, read_error_body
+from .validate import parse_json, validate
+
+if TYPE_CHECKING:
+    from .runtime import Principal, Runtime
+
+log = logging.getLogger("kvgate.access")
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Everything known about one request; built once, read by every stage."""
+
+    request_id: str
+    endpoint: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    model: str
+    principal: "Principal"
+    stream: bool
+    include_usage: bool  # what the client asked for
+    started: float
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+class ProxyEndpoint:
+    def __init__(self, endpoint: str, runtime: "Runtime") -> None:
+        self.endpoint = endpoint
+        self.path = PATHS[endpoint]
+        self.rt = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        headers = _headers(scope)
+        rid = scope.get("kvgate.request_id") or request_id(headers.get("x-request-id"))
+        exchange = Exchange(send, [])
+        status, replica, tenant, outcome = 0, "-", "-", None
+        try:
+            ctx = await self._prepare(scope, receive, headers, rid, started)
+            tenant = ctx.principal.tenant
+            disconnected, result = await run_unless_disconnected(receive, self._serve(ctx, exchange))
+            if disconnected:
+                self.rt.metrics.disconnects.labels(self.endpoint).inc()
+                status = 499
+            else:
+                replica, outcome = result  # type: ignore[misc]
+                status = exchange.status
+        except ClientDisconnected:
+            status = 499
+        except GatewayError as err:
+            status = err.status
+            if not exchange.started:
+                await exchange.error(err)
+        except Exception:
+            log.exception("unhandled error", extra={"request_id": rid})
+            status = 500
+            if not exchange.started:
+                await exchange.error(internal_error())
+        finally:
+            self._record(rid, status, replica, tenant, started, outcome)
+
+    async def _prepare(self, scope: Scope, receive: Receive, headers: dict[str, str], rid: str,
+                       started: float) -> RequestContext:
+        rt = self.rt
+        principal = rt.admit_key(headers, scope.get("query_string", b""))
+        limits = rt.settings.limits
+        ctype = headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise BadRequest("Content-Type must be application/json", code="invalid_content_type")
+        raw = await read_body(receive, limit=limits.max_body_bytes, content_length=headers.get("content-length"),
+                              deadline_s=rt.settings.timeouts.body_receive_s)
+        body = parse_json(raw, max_depth=limits.max_json_depth)
+        model = validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
+        stream = bool(body.get("stream")) and self.endpoint != "embeddings"
+        so = body.get("stream_options")
+        include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
+        ctx = RequestContext(rid, self.endpoint, headers, body, model, principal, stream, include_usage, started)
+        await rt.admit_request(ctx)
+        return ctx
+
+    async def _serve(self, ctx: RequestContext, exchange: Exchange) -> tuple[str, Outcome | None]:
+        rt = self.rt
+        for name, value in ctx.extra_headers:
+            exchange.headers.append((name, value))
+        served = await rt.try_cache(ctx, exchange)
+        if served:
+            return "cache", None
+        body = rt.upstream_body(ctx)
+        route = RouteRequest(ctx.endpoint, ctx.model, ctx.principal.namespace, body,
+                             boundary_hint=ctx.headers.get("x-kvgate-cache-boundary"))
+        timeouts = rt.settings.timeouts
+        call = UpstreamCall(
+            path=self.path, payload=orjson.dumps(body),
+            headers={"content-type": "application/json", "x-request-id": ctx.request_id},
+            read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
+            connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
+        )
+        attempt = await open_upstream(rt.pool, rt.policy, route, call, rt.replica_keys)
+        try:
+            replica = attempt.replica
+            exchange.add_header("x-kvgate-replica", replica.name)
+            if attempt.retries:
+                rt.metrics.retries.inc()
+            response = attempt.response
+            if response.status_code != 200:
+                raise await read_error_body(response, replica)
+            outcome = await self._relay(ctx, exchange, attempt.response)
+            rt.pool.record_success(replica) if outcome.failure is None else rt.pool.record_failure(replica)
+            rt.policy.observe(route, RouteFeedback(
+                replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
+                outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None))
+            rt.after_response(ctx, replica.name, outcome)
+            return replica.name, outcome
+        finally:
+            await attempt.close()
+
+    async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
+        timeouts = self.rt.settings.timeouts
+        if ctx.stream:
+            observer = StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
+            return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
+                                      stall_s=timeouts.stall_s, started_at=ctx.started)
+        return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s)
+
+    def _record(self, rid: str, status: int, replica: str, tenant: str, started: float,
+                outcome: Outcome | None) -> None:
+        elapsed = time.perf_counter() - started
+        m = self.rt.metrics
+        m.requests.labels(self.endpoint, str(status), replica, tenant).inc()
+        m.latency.labels(self.endpoint).observe(elapsed)
+        if outcome is not None and outcome.ttft_s is not None:
+            m.ttft.labels(self.endpoint).observe(outcome.ttft_s)
+        if log.isEnabledFor(logging.INFO):
+            extra: dict[str, Any] = {"request_id": rid, "endpoint": self.endpoint, "status": status,
+                                     "replica": replica, "tenant": tenant, "duration_ms": round(elapsed * 1000, 2)}
+            if outcome is not None and outcome.usage is not None:
+                extra.update(prompt_tokens=outcome.usage.prompt_tokens, cached_tokens=outcome.usage.cached_tokens,
+                             completion_tokens=outcome.usage.completion_tokens)
+            log.info("request", extra=extra)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    # Lower-cased names; a repeated header keeps its last value (as most proxies do).
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

@@ -1,0 +1,163 @@
+"""Relay an open upstream response to the client: streamed event by event, or whole.
+
+Streaming: the client's response starts only when the first upstream event
+arrives (so a replica that never produces a first token becomes a clean 504,
+not a broken stream); after that every complete event is forwarded the moment
+it arrives. A failure after the first byte keeps what was sent and ends with
+one error event — never an invented ``finish_reason`` or ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+import orjson
+
+from .asgi_io import Exchange
+from .errors import UpstreamError, UpstreamTimeout, sse_error_event
+from .sse import StreamObserver, Usage
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    # Tell nginx-style buffering proxies in front of us to pass tokens through.
+    (b"x-accel-buffering", b"no"),
+]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the gateway learned from one served request."""
+
+    usage: Usage | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    complete: bool = False  # a whole, successful answer: the only kind ever cached
+    has_tool_calls: bool = False
+    ttft_s: float | None = None
+    failure: str | None = None
+    raw: bytes | None = None  # non-streaming body, for the cache
+
+
+async def _next_chunk(it: AsyncIterator[bytes], timeout_s: float) -> bytes | None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _drain(it: AsyncIterator[bytes], limit: int = 64 * 1024) -> None:
+    """Read the few bytes after [DONE] (the chunked terminator) so the connection can be
+    reused; without it every streamed request would pay for a new upstream connection."""
+    seen = 0
+    try:
+        async with asyncio.timeout(0.5):
+            async for chunk in it:
+                seen += len(chunk)
+                if seen > limit:
+                    return
+    except (TimeoutError, httpx.HTTPError):
+        return
+
+
+async def relay_stream(
+    response: httpx.Response, exchange: Exchange, observer: StreamObserver, *,
+    first_byte_s: float, stall_s: float, started_at: float,
+) -> Outcome:
+    outcome = Outcome()
+    it = response.aiter_raw().__aiter__()
+    # Before the first event: nothing sent yet, so failures are plain HTTP errors.
+    pending = b""
+    try:
+        while not pending:
+            chunk = await _next_chunk(it, first_byte_s)
+            if chunk is None:
+                observer.finish()
+                raise UpstreamError("replica closed the stream before the first token")
+            pending = observer.feed(chunk)
+            if observer.failure and not pending:
+                raise UpstreamError("replica sent an invalid stream")
+    except TimeoutError:
+        raise UpstreamTimeout("replica produced no first token in time") from None
+    except httpx.HTTPError:
+        raise UpstreamError("replica failed before the first token") from None
+    outcome.ttft_s = time.perf_counter() - started_at
+    await exchange.start(200, SSE_HEADERS)
+    await exchange.body(pending)
+    try:
+        while observer.failure is None and not observer.done:
+            chunk = await _next_chunk(it, stall_s)
+            if chunk is None:
+                observer.finish()
+                break
+            out = observer.feed(chunk)
+            if out:
+                await exchange.body(out)
+    except TimeoutError:
+        observer.failure = "replica stalled mid-stream"
+    except httpx.HTTPError:
+        observer.failure = "replica connection failed mid-stream"
+    if observer.failure is not None and observer.upstream_error is None:
+        await exchange.body(sse_error_event(UpstreamError(observer.failure)))
+    await exchange.body(b"", more=False)
+    if observer.done and observer.failure is None:
+        await _drain(it)
+    outcome.usage = observer.usage
+    outcome.text = observer.text
+    outcome.finish_reason = observer.finish_reason
+    outcome.complete = observer.complete
+    outcome.has_tool_calls = observer.has_tool_calls
+    outcome.failure = observer.failure
+    return outcome
+
+
+async def relay_whole(
+    response: httpx.Response, exchange: Exchange, *, endpoint: str, timeout_s: float,
+    max_bytes: int = 64 * 1024 * 1024,
+) -> Outcome:
+    raw = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in response.aiter_raw():
+                raw += chunk
+                if len(raw) > max_bytes:
+                    raise UpstreamError("replica answer is too large")
+    except TimeoutError:
+        raise UpstreamTimeout("replica did not answer in time") from None
+    except httpx.HTTPError:
+        raise UpstreamError("replica connection failed") from None
+    body = bytes(raw)
+    try:
+        obj: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise UpstreamError("replica sent an invalid answer")
+    outcome = Outcome(usage=Usage.from_obj(obj.get("usage")), raw=body)
+    _observe_whole(obj, endpoint, outcome)
+    await exchange.json(200, body)
+    return outcome
+
+
+def _observe_whole(obj: dict[str, Any], endpoint: str, outcome: Outcome) -> None:
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return
+    choice = choices[0]
+    if endpoint == "chat":
+        message = choice.get("message")
+        if isinstance(message, dict):
+            content = message.get("content")
+            outcome.text = content if isinstance(content, str) else ""
+            outcome.has_tool_calls = bool(message.get("tool_calls"))
+    else:
+        text = choice.get("text")
+        outcome.text = text if isinstance(text, str) else ""
+    reason = choice.get("finish_reason")
+    outcome.finish_reason = reason if isinstance(reason, str) else None
+    outcome.complete = outcome.finish_reason is not None and len(choices) == 1

@@ -1,0 +1,222 @@
+"""The one typed settings object.
+
+Loaded and validated once at start-up from a YAML file, then overridden by
+``KVGATE_*`` environment variables (``KVGATE_LISTEN__PORT=9000`` sets
+``listen.port``; a double underscore descends one level). This is the only
+module that reads the environment. A bad value fails start-up with a message
+naming the field (``replicas.0.url: ...``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from routing.settings import RoutingSettings
+from semantic_cache.settings import SemanticCacheSettings
+
+ENV_PREFIX = "KVGATE_"
+
+
+class _Section(BaseModel):
+    # Unknown keys are a typo, not a silent default.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ListenSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class AdminSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8081, ge=0, le=65535)
+    token: SecretStr | None = None
+    enabled: bool = True
+
+
+class ReplicaSettings(_Section):
+    name: str = Field(min_length=1, max_length=64)
+    url: str
+    # Discovered from the replica's /v1/models when empty.
+    models: list[str] = Field(default_factory=list)
+    weight: float = Field(1.0, gt=0)
+    # Sent as a bearer token to a replica started with --api-key; never logged.
+    api_key: SecretStr | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL with a host, e.g. http://127.0.0.1:9001")
+        return v.rstrip("/")
+
+
+
+class TenantSettings(_Section):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    # Tenants configured into the same namespace share KV and semantic caches.
+    namespace: str | None = None
+    models: list[str] | None = None  # allowed models; None = all
+    semantic_cache: bool = True
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    normalize_tools: bool = False
+    # With normalize_tools: also sort the tool list by function name (tool order can matter to a model).
+    sort_tools: bool = False
+    # Scan prompts for volatile content above the cache boundary; warn in x-kvgate-prefix-warning.
+    prompt_hygiene: bool = True
+
+    @property
+    def cache_namespace(self) -> str:
+        return self.namespace or self.name
+
+
+
+class LimitSettings(_Section):
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    max_json_depth: int = Field(64, ge=4, le=1000)
+    max_n: int = Field(16, ge=1)
+    max_tokens_ceiling: int = Field(1_000_000, ge=1)
+
+
+class TimeoutSettings(_Section):
+    connect_s: float = Field(2.0, gt=0)
+    # No response headers / first byte from the replica within this: 504.
+    first_byte_s: float = Field(120.0, gt=0)
+    # No bytes mid-stream for this long: an error event ends the stream.
+    stall_s: float = Field(60.0, gt=0)
+    # Whole non-streaming answer.
+    non_stream_s: float = Field(600.0, gt=0)
+    # Client must finish sending its body within this.
+    body_receive_s: float = Field(30.0, gt=0)
+
+
+class PoolSettings(_Section):
+    health_interval_s: float = Field(2.0, gt=0)
+    metrics_interval_s: float = Field(1.0, gt=0)
+    eject_consecutive_failures: int = Field(5, ge=1)
+    eject_base_s: float = Field(30.0, gt=0)
+    eject_max_s: float = Field(300.0, gt=0)
+    retry_budget_ratio: float = Field(0.2, ge=0, le=1)
+    retry_budget_min: int = Field(3, ge=0)
+    max_attempts: int = Field(3, ge=1, le=10)
+    # Connections kept per replica by the shared HTTP client.
+    max_connections: int = Field(1024, ge=1)
+
+
+class Settings(_Section):
+    listen: ListenSettings = Field(default_factory=ListenSettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    redis_url: SecretStr | None = None
+    redis_timeout_s: float = Field(0.25, gt=0)
+    replicas: list[ReplicaSettings] = Field(default_factory=list)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    semantic_cache: SemanticCacheSettings = Field(default_factory=SemanticCacheSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
+    # Keys HMACs (cache_salt) and key hashes; set it in production so salts survive restarts.
+    server_secret: SecretStr = SecretStr("kvgate-dev-secret-change-me")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Prompt text in logs only when this is explicitly on.
+    log_prompts: bool = False
+    otlp_endpoint: str | None = None
+    shutdown_grace_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "Settings":
+        names = [r.name for r in self.replicas]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"replicas: duplicate name(s) {sorted(dup)}")
+        tnames = [t.name for t in self.tenants]
+        tdup = {n for n in tnames if tnames.count(n) > 1}
+        if tdup:
+            raise ValueError(f"tenants: duplicate name(s) {sorted(tdup)}")
+        keys = [k.get_secret_value() for t in self.tenants for k in t.api_keys]
+        if len(keys) != len(set(keys)):
+            raise ValueError("tenants: an api key is listed more than once")
+        return self
+
+
+class ConfigError(Exception):
+    """A configuration that cannot start kvgate; the message names the field."""
+
+
+def _format_validation(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"{loc}: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """KVGATE_A__B=v -> {"a": {"b": v}}; values are parsed as YAML scalars/lists."""
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "KVGATE_CONFIG":
+            continue
+        path = key[len(ENV_PREFIX):].lower().split("__")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: conflicts with another KVGATE_ variable")
+        node[path[-1]] = value
+    return out
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _deep_merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_settings(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Read the YAML file (if any), apply KVGATE_* variables, validate."""
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    path = path or environ.get("KVGATE_CONFIG")
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping")
+        data = loaded
+    data = _deep_merge(data, _env_overrides(environ))
+    if overrides:
+        data = _deep_merge(data, dict(overrides))
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e)) from None

@@ -1,0 +1,43 @@
+"""Routing: choose which replica serves a request.
+
+Policies are pure functions of the request and the membership list that return
+a preference order (``routing.base``); ``make_policy`` builds the configured one.
+The default, ``prefix_affinity``, keys each request on its stable prefix and
+orders replicas by bounded-load rendezvous hashing (``routing.prefix_affinity``).
+
+What the gateway calls:
+
+* ``make_policy(settings)`` once at start-up;
+* ``policy.prefer(RouteRequest(...), eligible)`` per request, with the body as
+  the client sent it (``cache_control`` breakpoints are routing hints);
+* ``strip_cache_control(body)`` for the body it forwards (vLLM rejects the key);
+* ``policy.observe(request, RouteFeedback(...))`` after each served request;
+* ``resolve(name, port)`` to turn a headless-service name into replica URLs.
+"""
+
+from __future__ import annotations
+
+from .base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy, load_of
+from .boundary import strip_cache_control
+from .consistent_hash import ConsistentHash
+from .least_load import LeastLoad
+from .membership import resolve
+from .prefix_affinity import PrefixAffinity
+from .round_robin import RoundRobin
+from .settings import RoutingSettings
+
+__all__ = [
+    "ReplicaView", "RouteFeedback", "RouteRequest", "RoutingPolicy", "RoutingSettings", "load_of",
+    "make_policy", "strip_cache_control", "resolve",
+]
+
+
+def make_policy(settings: RoutingSettings) -> RoutingPolicy:
+    """The configured policy; each call returns a fresh instance with its own state."""
+    if settings.policy == "least_load":
+        return LeastLoad()
+    if settings.policy == "round_robin":
+        return RoundRobin()
+    if settings.policy == "consistent_hash":
+        return ConsistentHash(settings)
+    return PrefixAffinity(settings)

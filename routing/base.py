@@ -1,0 +1,77 @@
+"""The seam between the replica pool and routing policies.
+
+A policy is a pure function of the request and the membership list (plus the
+load view it is given): it returns a preference order over the eligible
+replicas. The pool walks that order when it must retry, and acquiring a
+replica returns a release, so in-flight accounting lives in one place
+(``gateway.pool``) and policies never mutate counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class ReplicaView(Protocol):
+    """What a policy may read about a replica. ``gateway.pool.Replica`` implements it."""
+
+    name: str
+    weight: float
+    # This gateway instance's requests in flight to the replica.
+    in_flight: int
+    # From the replica's own /metrics (vllm:num_requests_waiting / _running /
+    # kv_cache_usage_perc): the view every gateway instance shares. None when
+    # not scraped yet.
+    waiting: float | None
+    running: float | None
+    kv_usage: float | None
+
+
+def load_of(replica: ReplicaView) -> float:
+    """Load as every gateway instance sees it alike, plus our own not-yet-visible work.
+
+    The replica's own queue (running + waiting) is the shared view; our in-flight
+    count covers the second between scrapes. Taking the max (not the sum) avoids
+    counting the same requests twice once the scrape catches up.
+    """
+    shared = (replica.running or 0.0) + (replica.waiting or 0.0)
+    return max(shared, float(replica.in_flight)) / replica.weight
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What routing needs to know about one request; built once per request."""
+
+    endpoint: str  # "chat" | "completions" | "embeddings"
+    model: str
+    namespace: str  # tenant cache namespace (the cache_salt seed)
+    body: dict[str, Any]
+    # Explicit stable-prefix boundary from a request header, in characters of the
+    # rendered prefix, when the client gave one.
+    boundary_hint: str | None = None
+    # Filled in lazily by prefix policies; cached here so hashing happens once.
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RouteFeedback:
+    """What the gateway learned after a replica served a request."""
+
+    replica: str
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    ok: bool
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """Every eligible replica, best first. Must not mutate anything it is given."""
+        ...
+
+    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        """Learn from a served request (block index, cached_tokens). May be a no-op."""
+        ...

@@ -1,0 +1,38 @@
+"""Routing section of kvgate's settings (composed into gateway.settings.Settings)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RoutingSettings(_Section):
+    policy: Literal["prefix_affinity", "least_load", "round_robin", "consistent_hash"] = "prefix_affinity"
+    # Bounded load: skip a replica whose load exceeds (1 + epsilon) x mean.
+    epsilon: float = Field(0.25, ge=0, le=10)
+    # Characters per routing block (about 16 tokens of 4 characters, as llm-d does).
+    block_chars: int = Field(64, ge=8, le=4096)
+    # Literal text that marks the end of the stable prefix when a client places it.
+    boundary_marker: str = "<!-- kvgate:cache-boundary -->"
+    # Maximum routing blocks considered per request (bounds hashing work).
+    max_blocks: int = Field(2048, ge=1)
+    # Block-index capacity (entries across replicas), LRU. The popularity
+    # estimate keeps a quarter of this many keys.
+    index_capacity: int = Field(200_000, ge=1000)
+    # A prefix is "hot" (too much traffic to key one replica on) when it carries
+    # more than hot_fraction / replicas of the requests; the key then goes deeper.
+    hot_fraction: float = Field(0.25, gt=0, le=1)
+    # Spacing, in blocks, of the cut points a key may sit on inside a long message.
+    key_grid_blocks: int = Field(4, ge=1, le=1024)
+    # A replica the index believes holds a deeper prefix than the rendezvous first
+    # choice goes first only if it is deeper by at least this many characters
+    # (and by half again): small gains do not justify diverging from other instances.
+    index_min_gain_chars: int = Field(2048, ge=0)
+    # Re-resolve replicas from a headless-service DNS name, e.g. "vllm.ns.svc.cluster.local:8000".
+    dns_name: str | None = None
+    dns_interval_s: float = Field(10.0, gt=0)

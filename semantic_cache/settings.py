@@ -1,0 +1,55 @@
+"""Semantic-cache section of kvgate's settings (composed into gateway.settings.Settings).
+
+Defaults are the configuration measured by ``bench/semantic_eval.py``; change
+``threshold`` or ``verifier`` only with a new measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SemanticCacheSettings(_Section):
+    enabled: bool = False
+    # Similarity search on top of the exact tier (off: exact repeats only).
+    semantic_enabled: bool = True
+    # Cosine similarity a candidate must reach before the verifier looks at it.
+    threshold: float = Field(0.86, ge=0, le=1)
+    # Rule-based checks (negation, numbers, entities, word order...) after the threshold.
+    verifier: bool = True
+    # Nearest candidates (above threshold) offered to the verifier, best first.
+    candidates: int = Field(3, ge=1, le=32)
+    # Longer final messages are documents, not questions: exact tier only.
+    semantic_max_chars: int = Field(400, ge=1)
+    # Raw completion prompts continue text byte for byte: exact tier only unless set.
+    semantic_completions: bool = False
+    ttl_s: int = Field(86_400, ge=1)
+    max_entries_per_namespace: int = Field(100_000, ge=10)
+    # Answers bigger than this are not worth a Redis round trip to replay.
+    max_answer_chars: int = Field(200_000, ge=1)
+    cache_tool_calls: bool = False
+    embedder: Literal["local", "remote", "hash"] = "local"
+    embedding_model: str = "all-MiniLM-L6-v2"
+    # For the remote embedder: an OpenAI-compatible /v1/embeddings endpoint (full URL).
+    embedding_url: str | None = None
+    # A lookup waits at most this long for its embedding, then counts as a miss.
+    embed_timeout_s: float = Field(2.0, gt=0)
+    batch_max: int = Field(32, ge=1)
+    batch_wait_ms: float = Field(0.0, ge=0)
+    # HNSW parameters; partitions smaller than brute_force_max are searched exactly.
+    hnsw_m: int = Field(16, ge=4, le=64)
+    hnsw_ef_construction: int = Field(100, ge=10)
+    hnsw_ef_search: int = Field(64, ge=10)
+    brute_force_max: int = Field(256, ge=0)
+    # Redis layout and fault handling.
+    key_prefix: str = "kvgate:sc:"
+    probe_interval_s: float = Field(1.0, gt=0)
+    resync_interval_s: float = Field(60.0, gt=0)
+    sync_block_ms: int = Field(500, ge=10, le=10_000)
+    stream_maxlen: int = Field(100_000, ge=100)

@@ -1,0 +1,43 @@
+"""Shared fixtures: anyio on asyncio, a real Redis (REDIS_URL or a private one)."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.support.redis_server import PrivateRedis, redis_url_from_env  # noqa: E402
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def redis_service() -> Iterator[str]:
+    """A Redis URL for the session. Tests flush only keys under their own prefix/db."""
+    url = redis_url_from_env()
+    if url:
+        yield url
+        return
+    server = PrivateRedis().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    """A Redis this test may kill or pause (never the shared one)."""
+    server = PrivateRedis().start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,1 @@
+"""Test support: real servers on ephemeral loopback ports, a private Redis."""

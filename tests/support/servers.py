@@ -1,0 +1,95 @@
+"""Run real ASGI apps under uvicorn on ephemeral loopback ports.
+
+Each server gets its own thread and event loop, so synchronous clients (the
+OpenAI SDK's sync client) and async tests can both talk to it. ``stop()``
+shuts the server down gracefully; ``kill()`` drops every connection at once,
+the way a crashed replica would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+
+def free_socket(host: str = "127.0.0.1") -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn in a background thread."""
+
+    def __init__(self, app: Any, *, lifespan: str = "on", port: int | None = None, **config: Any) -> None:
+        self._sock = free_socket() if port is None else None
+        if port is not None:
+            self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind(("127.0.0.1", port))
+        self.port: int = self._sock.getsockname()[1]
+        self.config = uvicorn.Config(
+            app, lifespan=lifespan, log_level="warning", access_log=False, loop="asyncio", **config
+        )
+        self.server = uvicorn.Server(self.config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn-{self.port}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.serve(sockets=[self._sock]))
+        finally:
+            self.loop.close()
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("server thread exited during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+    def kill(self) -> None:
+        """Abruptly close every connection and the listener, like a crashed process."""
+        self.server.force_exit = True
+        self.server.should_exit = True
+        loop = self.loop
+        if loop is not None and loop.is_running():
+            def _drop() -> None:
+                for conn in list(getattr(self.server.server_state, "connections", [])):
+                    transport = getattr(conn, "transport", None)
+                    if transport is not None:
+                        transport.abort()
+            loop.call_soon_threadsafe(_drop)
+        self._thread.join(5)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

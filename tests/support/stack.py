@@ -1,0 +1,92 @@
+"""A real stack for tests: N vllm_sim replicas and a kvgate, each on its own loopback port."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.app import build_app
+from gateway.runtime import Runtime
+from gateway.settings import Settings, load_settings
+from vllm_sim.config import SimConfig
+from vllm_sim.server import build_app as build_sim
+from vllm_sim.timing import TimingModel
+
+from .servers import ServerThread
+
+MODEL = "sim-model"
+
+
+def sim_config(name: str, *, time_scale: float = 0.0, **kw: Any) -> SimConfig:
+    timing = kw.pop("timing", None) or TimingModel(time_scale=time_scale)
+    return SimConfig(name=name, model=MODEL, timing=timing, **kw)
+
+
+@dataclass
+class Stack:
+    sims: dict[str, ServerThread]
+    gateway: ServerThread
+    settings: Settings
+    extra: list[ServerThread] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway.url + "/v1"
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.gateway.config.app.state.runtime  # type: ignore[no-any-return]
+
+    def sim_url(self, name: str) -> str:
+        return self.sims[name].url
+
+    def faults(self, name: str, **faults: Any) -> None:
+        httpx.post(self.sim_url(name) + "/sim/faults", json=faults, timeout=5).raise_for_status()
+
+    def sim_stats(self, name: str) -> dict[str, Any]:
+        return httpx.get(self.sim_url(name) + "/sim/stats", timeout=5).json()  # type: ignore[no-any-return]
+
+    def wait_for(self, predicate: Any, timeout: float = 5.0, interval: float = 0.02) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(interval)
+        return bool(predicate())
+
+    def close(self) -> None:
+        self.gateway.stop()
+        for s in [*self.sims.values(), *self.extra]:
+            s.stop()
+
+
+def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[str, dict[str, Any]] | None = None,
+                **overrides: Any) -> Stack:
+    """Start ``n`` simulated replicas r1..rN and a kvgate routing to them."""
+    sims: dict[str, ServerThread] = {}
+    for i in range(n):
+        name = f"r{i + 1}"
+        kw = {**(sim or {}), **((per_sim or {}).get(name, {}))}
+        sims[name] = ServerThread(build_sim(sim_config(name, **kw))).start()
+    base: dict[str, Any] = {
+        "replicas": [{"name": k, "url": v.url} for k, v in sims.items()],
+        "routing": {"policy": "least_load"},
+        "pool": {"health_interval_s": 60, "metrics_interval_s": 60},
+    }
+    settings = load_settings(environ={}, overrides=_merge(base, overrides))
+    gateway = ServerThread(build_app(settings)).start()
+    return Stack(sims, gateway, settings)
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

@@ -1,0 +1,154 @@
+"""Streaming is incremental; disconnects close the upstream; replica faults are handled."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.support.stack import MODEL, Stack, start_stack
+from vllm_sim.timing import TimingModel
+
+MESSAGES = [{"role": "user", "content": "Tell me a long story about routers."}]
+# Slow enough to observe: ~20 ms per decode step.
+SLOW = TimingModel(decode_base_s=0.02, decode_s_per_seq=0.0, prefill_base_s=0.0, time_scale=1.0)
+
+
+@pytest.fixture
+def slow_stack() -> Iterator[Stack]:
+    s = start_stack(2, sim={"timing": SLOW})
+    yield s
+    s.close()
+
+
+def _chat(stack: Stack, **kw: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": MESSAGES, **kw}
+
+
+def test_stream_is_incremental(slow_stack: Stack) -> None:
+    client = openai.OpenAI(base_url=slow_stack.base_url, api_key="x", max_retries=0)
+    arrivals = []
+    t0 = time.perf_counter()
+    for _ in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, stream=True):
+        arrivals.append(time.perf_counter() - t0)
+    # 20 tokens at ~20 ms each: the first chunk must not wait for the last.
+    assert arrivals[-1] - arrivals[0] > 0.25
+    assert arrivals[0] < arrivals[-1] / 2
+
+
+def _aborts(stack: Stack) -> int:
+    return sum(int(stack.sim_stats(n)["aborted"]) for n in stack.sims)
+
+
+def test_disconnect_mid_stream_aborts_upstream(slow_stack: Stack) -> None:
+    with httpx.Client(timeout=10) as c:
+        with c.stream("POST", slow_stack.base_url + "/chat/completions",
+                      json=_chat(slow_stack, max_tokens=500, stream=True)) as r:
+            for _ in r.iter_raw():
+                break  # first bytes arrived: now vanish
+    t = time.monotonic()
+    assert slow_stack.wait_for(lambda: _aborts(slow_stack) == 1, timeout=1.0)
+    assert time.monotonic() - t < 1.0
+
+
+def test_disconnect_before_first_token_aborts_upstream(slow_stack: Stack) -> None:
+    for n in slow_stack.sims:
+        slow_stack.faults(n, stall_before_first_token_s=5.0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_stack.base_url + "/chat/completions", json=_chat(slow_stack, stream=True), timeout=0.3)
+    assert slow_stack.wait_for(lambda: _aborts(slow_stack) == 1, timeout=1.0)
+
+
+def test_disconnect_non_streaming_aborts_upstream(slow_stack: Stack) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_stack.base_url + "/chat/completions", json=_chat(slow_stack, max_tokens=500), timeout=0.3)
+    assert slow_stack.wait_for(lambda: _aborts(slow_stack) == 1, timeout=1.0)
+
+
+def test_replica_dying_mid_stream_keeps_partial_text_then_error() -> None:
+    stack = start_stack(1)
+    try:
+        stack.faults("r1", die_after_tokens=5)
+        client = openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0)
+        received: list[str] = []
+        with pytest.raises(openai.APIError) as e:
+            for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50, stream=True):
+                if chunk.choices:
+                    received.append(chunk.choices[0].delta.content or "")
+                    assert chunk.choices[0].finish_reason is None, "no invented finish_reason"
+        assert "".join(received), "the tokens sent before the failure reach the client"
+        assert "mid-stream" in str(e.value) or "closed" in str(e.value)
+        # Raw bytes: an error event, never [DONE].
+        stack.faults("r1", die_after_tokens=3)
+        raw = httpx.post(stack.base_url + "/chat/completions", json=_chat(stack, stream=True, max_tokens=50),
+                         timeout=10).text
+        assert "[DONE]" not in raw and '"error"' in raw
+    finally:
+        stack.close()
+
+
+def test_refused_connection_is_retried_elsewhere() -> None:
+    stack = start_stack(2)
+    try:
+        stack.sims["r1"].kill()  # least-load prefers r1 (ties break by name); it is now gone
+        client = openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+        assert raw.headers["x-kvgate-replica"] == "r2"
+        assert raw.parse().choices[0].message.content
+    finally:
+        stack.close()
+
+
+def test_replica_answering_5xx_is_ejected_and_returns_when_healthy() -> None:
+    stack = start_stack(2, pool={"eject_consecutive_failures": 2, "eject_base_s": 0.5,
+                                 "health_interval_s": 0.1, "metrics_interval_s": 60})
+    try:
+        stack.faults("r1", error_rate=1.0, error_status=500)
+        pool = stack.runtime.pool
+        statuses = [httpx.post(stack.base_url + "/chat/completions", json=_chat(stack, max_tokens=2),
+                               timeout=10).status_code for _ in range(4)]
+        assert statuses[:2] == [502, 502]  # r1 failing, not retried (it may have done work)
+        assert statuses[2:] == [200, 200]  # r1 ejected, r2 serves
+        assert pool.replicas["r1"].ejections == 1
+        stack.faults("r1", error_rate=0.0)
+        assert stack.wait_for(lambda: pool.replicas["r1"].available(pool.clock()), timeout=3)
+        served = {httpx.post(stack.base_url + "/chat/completions", json=_chat(stack, max_tokens=2),
+                             timeout=10).headers["x-kvgate-replica"] for _ in range(2)}
+        assert "r1" in served or pool.replicas["r1"].served > 0
+    finally:
+        stack.close()
+
+
+def test_last_replica_is_never_ejected() -> None:
+    stack = start_stack(1, pool={"eject_consecutive_failures": 1})
+    try:
+        stack.faults("r1", error_rate=1.0, error_status=500)
+        for _ in range(3):
+            assert httpx.post(stack.base_url + "/chat/completions", json=_chat(stack), timeout=10).status_code == 502
+        assert stack.runtime.pool.replicas["r1"].ejections == 0
+    finally:
+        stack.close()
+
+
+def test_in_flight_returns_to_zero_under_concurrency() -> None:
+    stack = start_stack(3)
+    try:
+        def worker() -> None:
+            with httpx.Client(timeout=20) as c:
+                for i in range(10):
+                    c.post(stack.base_url + "/chat/completions",
+                           json=_chat(stack, max_tokens=3, stream=bool(i % 2)))
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        pool = stack.runtime.pool
+        assert all(r.in_flight == 0 for r in pool.replicas.values())
+        assert pool.active_requests == 0 and pool.budget.active_retries == 0
+    finally:
+        stack.close()
