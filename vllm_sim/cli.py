@@ -1,0 +1,91 @@
+"""Command line for the simulator: ``python -m vllm_sim`` and ``kvgate sim`` share these flags.
+
+Flag names follow vLLM's where one exists (``--max-num-seqs``, ``--block-size``,
+``--max-model-len``, ``--served-model-name`` as an alias of ``--model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_sim.config import SimConfig
+from vllm_sim.faults import Faults
+from vllm_sim.timing import TimingModel
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    t, f = TimingModel(), Faults()
+    d = SimConfig()
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--model", "--served-model-name", dest="model", action="append", metavar="NAME",
+                        help=f"served model name; repeat for several (default {d.model})")
+    parser.add_argument("--name", default=d.name, help="replica name, sent as the x-sim-replica header")
+    parser.add_argument("--kv-blocks", "--num-gpu-blocks", dest="kv_blocks", type=int,
+                        default=d.num_gpu_blocks, help="KV cache size in blocks")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed for the fault dice")
+    parser.add_argument("--log-level", default="warning")
+
+    timing = parser.add_argument_group("timing")
+    timing.add_argument("--time-scale", type=float, default=t.time_scale,
+                        help="multiply every duration (0.01 = 100x faster, 0 = no sleeping)")
+    timing.add_argument("--max-num-seqs", type=int, default=t.max_num_seqs)
+    timing.add_argument("--prefill-base-s", type=float, default=t.prefill_base_s)
+    timing.add_argument("--prefill-s-per-token", type=float, default=t.prefill_s_per_token)
+    timing.add_argument("--decode-base-s", type=float, default=t.decode_base_s)
+    timing.add_argument("--decode-s-per-seq", type=float, default=t.decode_s_per_seq)
+
+    faults = parser.add_argument_group("faults (also settable at run time: POST /sim/faults)")
+    faults.add_argument("--error-rate", type=float, default=f.error_rate)
+    faults.add_argument("--error-status", type=int, default=f.error_status)
+    faults.add_argument("--rate-limit-rate", type=float, default=f.rate_limit_rate)
+    faults.add_argument("--stall-before-first-token-s", type=float, default=f.stall_before_first_token_s)
+    faults.add_argument("--stall-mid-stream-s", type=float, default=f.stall_mid_stream_s)
+    faults.add_argument("--stall-after-tokens", type=int, default=f.stall_after_tokens)
+    faults.add_argument("--die-after-tokens", type=int, default=f.die_after_tokens)
+    faults.add_argument("--garbage", action="store_true")
+    faults.add_argument("--html-200", action="store_true")
+    faults.add_argument("--unhealthy", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    models = args.model or [SimConfig().model]
+    timing = TimingModel(
+        prefill_base_s=args.prefill_base_s, prefill_s_per_token=args.prefill_s_per_token,
+        decode_base_s=args.decode_base_s, decode_s_per_seq=args.decode_s_per_seq,
+        max_num_seqs=args.max_num_seqs, time_scale=args.time_scale,
+    )
+    faults = Faults(
+        error_rate=args.error_rate, error_status=args.error_status, rate_limit_rate=args.rate_limit_rate,
+        stall_before_first_token_s=args.stall_before_first_token_s,
+        stall_mid_stream_s=args.stall_mid_stream_s,
+        stall_after_tokens=args.stall_after_tokens, die_after_tokens=args.die_after_tokens,
+        garbage=args.garbage, html_200=args.html_200, unhealthy=args.unhealthy,
+    )
+    return SimConfig(
+        host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]),
+        num_gpu_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
+        timing=timing, embedding_dim=args.embedding_dim, faults=faults, name=args.name, seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; returns a process exit code."""
+    import uvicorn
+
+    from vllm_sim.server import build_app
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"vllm_sim: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=1)
+    return 0

@@ -1,0 +1,301 @@
+"""An asyncio engine that schedules requests the way vLLM's V1 scheduler does, in scaled time.
+
+One background task runs engine *steps*. Each step first admits waiting
+sequences first-come first-served while fewer than ``max_num_seqs`` run and
+their KV blocks fit (the waiting queue is unbounded, like vLLM's); then it
+sleeps for the step's duration (prefill of the newly admitted sequences'
+uncached tokens plus one decode step of the whole batch); then every running
+sequence emits one token. So a request's time to first token is its queueing
+plus one step whose length depends on its cache hit, and its inter-token time
+grows with the batch it shares.
+
+Steps are timed against a running deadline rather than slept one by one,
+because ``asyncio.sleep`` cannot sleep less than about a millisecond: at
+``time_scale=0.01`` a 0.1 ms step would otherwise cost 1 ms. Overshoot is
+repaid by skipping later sleeps, so throughput stays right over many steps.
+
+A consumer that stops listening (client disconnect, cancellation) leaves the
+``generate`` context: its sequences are dropped, their blocks released, and
+an abort is counted, at once and not at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from vllm_sim.kv import Allocation, KVPool, block_hashes
+from vllm_sim.reply import ReplyWriter, default_length, reply_seed
+from vllm_sim.stats import EngineStats
+from vllm_sim.timing import TimingModel
+
+__all__ = ["Engine", "GenRequest", "Generation", "TokenEvent", "PromptTooLong"]
+
+log = logging.getLogger("vllm_sim.engine")
+
+# Lag behind the step deadline forgiven at once (the loop was busy, not the GPU).
+_MAX_LAG_S = 0.05
+
+
+class PromptTooLong(ValueError):
+    """The prompt needs more KV blocks than the whole pool has: it could never run."""
+
+
+@dataclass(slots=True)
+class GenRequest:
+    request_id: str
+    prompt_tokens: list[int]
+    # None: the reply has its prompt-derived default length and ends with "stop".
+    max_tokens: int | None = None
+    n: int = 1
+    cache_salt: str | None = None
+    # Wall-clock seconds the request is held before it joins the queue (the
+    # stall_before_first_token fault): it counts as waiting and aborts like one.
+    hold_s: float = 0.0
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    index: int  # choice index
+    text: str
+    finish_reason: str | None  # set on the choice's last token
+
+
+class _Seq:
+    """One choice of a request as the scheduler sees it."""
+
+    __slots__ = ("gen", "index", "writer", "target", "produced", "allocation")
+
+    def __init__(self, gen: Generation, index: int, target: int, seed: int) -> None:
+        self.gen = gen
+        self.index = index
+        self.writer = ReplyWriter(seed)
+        self.target = target
+        self.produced = 0
+        self.allocation: Allocation | None = None
+
+
+class Generation:
+    """A request in the engine; iterate it for its tokens as they are produced."""
+
+    def __init__(self, request: GenRequest, hashes: list[bytes]) -> None:
+        self.request = request
+        self.hashes = hashes
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reasons: list[str | None] = [None] * request.n
+        self.aborted = False
+        self._open = request.n
+        self._events: list[TokenEvent] = []
+        self._wake = asyncio.Event()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self._open == 0
+
+    def _push(self, event: TokenEvent) -> None:
+        self._events.append(event)
+        self.completion_tokens += 1
+        if event.finish_reason is not None:
+            self.finish_reasons[event.index] = event.finish_reason
+            self._open -= 1
+        self._wake.set()
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            if self._events:
+                batch, self._events = self._events, []
+                for event in batch:
+                    yield event
+                continue
+            if self._open == 0 or self.aborted:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+
+class Engine:
+    """Continuous batching over a ``KVPool`` with a ``TimingModel``; one per simulated replica."""
+
+    def __init__(self, pool: KVPool, timing: TimingModel, stats: EngineStats | None = None) -> None:
+        self.pool = pool
+        self.timing = timing
+        self.stats = stats if stats is not None else EngineStats()
+        self._waiting: deque[_Seq] = deque()
+        self._held: dict[Generation, tuple[asyncio.TimerHandle, list[_Seq]]] = {}
+        self._running: list[_Seq] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._deadline = 0.0
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + sum(len(seqs) for _, seqs in self._held.values())
+
+    @asynccontextmanager
+    async def generate(self, request: GenRequest) -> AsyncIterator[Generation]:
+        """Submit ``request``; leaving the block before it finishes aborts it."""
+        gen = self._submit(request)
+        try:
+            yield gen
+        finally:
+            if not gen.finished and not gen.aborted:
+                self._abort(gen)
+
+    async def aclose(self) -> None:
+        """Stop the step task (app shutdown); requests still in flight are aborted."""
+        for gen in {s.gen for s in [*self._running, *self._waiting]} | set(self._held):
+            if not gen.aborted:
+                self._abort(gen)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # -- submission and abort ----------------------------------------------------------------
+    def check_prompt(self, num_tokens: int) -> None:
+        """Raise ``PromptTooLong`` if a prompt this long could never be admitted."""
+        if self.pool.blocks_for(num_tokens) > self.pool.num_blocks:
+            raise PromptTooLong(
+                f"The prompt has {num_tokens} tokens, more than the KV cache of this replica holds "
+                f"({self.pool.num_blocks} blocks of {self.pool.block_size})."
+            )
+
+    def _submit(self, request: GenRequest) -> Generation:
+        if request.n < 1:
+            raise ValueError("n must be >= 1")
+        self.check_prompt(len(request.prompt_tokens))
+        hashes = block_hashes(request.prompt_tokens, self.pool.block_size, request.cache_salt)
+        gen = Generation(request, hashes)
+        seqs = []
+        for index in range(request.n):
+            seed = reply_seed(request.prompt_tokens, index)
+            target = request.max_tokens if request.max_tokens is not None else default_length(seed)
+            seqs.append(_Seq(gen, index, max(1, target), seed))
+        self.stats.requests += 1
+        if request.hold_s > 0:
+            handle = asyncio.get_running_loop().call_later(request.hold_s, self._enqueue_held, gen)
+            self._held[gen] = (handle, seqs)
+        else:
+            self._enqueue(seqs)
+        return gen
+
+    def _enqueue(self, seqs: list[_Seq]) -> None:
+        self._waiting.extend(seqs)
+        self._ensure_task()
+        self._wake.set()
+
+    def _enqueue_held(self, gen: Generation) -> None:
+        _, seqs = self._held.pop(gen)
+        self._enqueue(seqs)
+
+    def _abort(self, gen: Generation) -> None:
+        gen.aborted = True
+        held = self._held.pop(gen, None)
+        if held is not None:
+            held[0].cancel()
+        self._waiting = deque(s for s in self._waiting if s.gen is not gen)
+        kept = []
+        for seq in self._running:
+            if seq.gen is gen:
+                self._free(seq)
+            else:
+                kept.append(seq)
+        self._running = kept
+        self.stats.record_abort(gen.request.request_id)
+        gen._wake.set()
+
+    def _free(self, seq: _Seq) -> None:
+        if seq.allocation is not None:
+            self.pool.release(seq.allocation)
+            seq.allocation = None
+
+    # -- the step loop ------------------------------------------------------------------------
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="vllm_sim-engine")
+            self._task.add_done_callback(_log_crash)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._waiting and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                self._deadline = loop.time()
+            decoding = len(self._running)
+            uncached = self._admit()
+            duration = 0.0
+            if len(self._running) > decoding:
+                duration += self.timing.prefill_time(uncached)
+            if decoding:
+                duration += self.timing.decode_step_time(len(self._running))
+            await self._sleep_until_step_end(loop, duration)
+            self._emit_tokens()
+
+    def _admit(self) -> int:
+        """Move waiting sequences to running while slots and blocks allow; returns prefill tokens."""
+        uncached = 0
+        while self._waiting and len(self._running) < self.timing.max_num_seqs:
+            seq = self._waiting[0]
+            gen = seq.gen
+            allocation = self.pool.allocate(gen.hashes, gen.prompt_tokens)
+            if allocation is None:
+                break  # FCFS: the head waits for blocks; nobody overtakes it
+            self._waiting.popleft()
+            seq.allocation = allocation
+            self._running.append(seq)
+            uncached += gen.prompt_tokens - allocation.cached_tokens
+            if seq.index == 0:
+                gen.cached_tokens = allocation.cached_tokens
+                self.stats.prompt_tokens += gen.prompt_tokens
+                self.stats.record_cached(gen.request.request_id, allocation.cached_tokens)
+        return uncached
+
+    async def _sleep_until_step_end(self, loop: asyncio.AbstractEventLoop, duration: float) -> None:
+        now = loop.time()
+        if now - self._deadline > _MAX_LAG_S:
+            self._deadline = now
+        self._deadline += duration
+        delay = self._deadline - now
+        # sleep(0) still yields, so request handlers run between steps even at time_scale=0.
+        await asyncio.sleep(delay if delay > 0 else 0)
+
+    def _emit_tokens(self) -> None:
+        still_running = []
+        for seq in self._running:
+            seq.produced += 1
+            done = seq.produced >= seq.target
+            reason = None
+            if done:
+                reason = "length" if seq.gen.request.max_tokens is not None else "stop"
+            elif seq.allocation is not None:
+                # A full pool only stops decode growth from being counted; vLLM would preempt.
+                self.pool.grow(seq.allocation, 1)
+            seq.gen._push(TokenEvent(seq.index, seq.writer.next_token(), reason))
+            self.stats.generation_tokens += 1
+            if done:
+                self._free(seq)
+                if seq.gen.finished:
+                    self.stats.record_finish(reason or "stop")
+            else:
+                still_running.append(seq)
+        self._running = still_running
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    # A crashed step loop would hang every request silently; make it loud.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("engine step loop crashed", exc_info=task.exception())

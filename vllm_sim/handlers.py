@@ -1,0 +1,165 @@
+"""``/v1/chat/completions`` and ``/v1/completions``: parse, inject faults, generate, stream back.
+
+One ASGI callable per endpoint. The order of a request's life is fixed here:
+read the body, roll the whole-response faults (before any work, as a replica
+failing fast would), validate, submit to the engine, then write the reply,
+either at once or as SSE events sent the moment each token exists.
+Per-token faults (stalls, garbage, dying) act while writing, except the stall
+before the first token, which the engine holds the request for: a client
+leaving during it must count as an abort, and the reply must not be produced
+in the meantime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from vllm_sim import wire
+from vllm_sim.asgi import (
+    BodyTooLarge, ClientDisconnected, Receive, Send, Sender, read_body, run_until_disconnect,
+)
+from vllm_sim.engine import GenRequest, Generation, PromptTooLong, TokenEvent
+from vllm_sim.faults import Faults, fault_reply
+from vllm_sim.protocol import (
+    GenerationParams, Kind, parse_generation, parse_json, prompt_tokens, resolve_max_tokens,
+)
+from vllm_sim.replica import Replica
+
+__all__ = ["GenerationEndpoint"]
+
+_GARBAGE_EVENT = b'data: {"id": "chatcmpl-garbage", "choices": [{"delta": \n\n'
+
+
+class _Format:
+    """Builds one request's SSE events and final body (ids, model and usage mode fixed per request)."""
+
+    def __init__(self, params: GenerationParams, rid: str) -> None:
+        self.chat = params.kind == "chat"
+        self.rid = rid
+        self.created = int(time.time())
+        self.model = params.model
+        self.n = params.n
+        self.with_usage = params.include_usage
+
+    def opening(self) -> bytes:
+        if not self.chat:
+            return b""
+        delta = {"role": "assistant", "content": ""}
+        return b"".join(
+            wire.chat_chunk(self.rid, self.created, self.model, i, delta, None, self.with_usage)
+            for i in range(self.n)
+        )
+
+    def token(self, ev: TokenEvent) -> bytes:
+        if self.chat:
+            return wire.chat_chunk(self.rid, self.created, self.model, ev.index, {"content": ev.text},
+                                   ev.finish_reason, self.with_usage)
+        return wire.completion_chunk(self.rid, self.created, self.model, ev.index, ev.text,
+                                     ev.finish_reason, self.with_usage)
+
+    def usage_event(self, gen: Generation) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return wire.usage_chunk(self.rid, self.created, self.model, obj, _usage(gen))
+
+    def response(self, gen: Generation, texts: list[list[str]]) -> dict[str, Any]:
+        build = wire.chat_response if self.chat else wire.completion_response
+        return build(self.rid, self.created, self.model, ["".join(t) for t in texts],
+                     gen.finish_reasons, _usage(gen))
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    return wire.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+
+
+class GenerationEndpoint:
+    """The ASGI app behind one generation route."""
+
+    def __init__(self, replica: Replica, kind: Kind) -> None:
+        self.replica = replica
+        self.kind = kind
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        sender = Sender(send)
+        try:
+            raw = await read_body(receive)
+        except ClientDisconnected:
+            return
+        except BodyTooLarge:
+            await sender.json(413, wire.error_body("Request body too large.", "BadRequestError", None, 413))
+            return
+        faults, verdict = self.replica.roll_faults()
+        if verdict is not None:
+            status, headers, body = fault_reply(verdict, faults)
+            await sender.full(status, body, headers[0][1], headers[1:])
+            return
+        try:
+            request, fmt, stream = await self._prepare(raw, faults)
+        except wire.ApiError as exc:
+            await sender.json(exc.status, exc.body())
+            return
+        write = self._stream if stream else self._unary
+        await run_until_disconnect(write(sender, request, fmt, faults), receive, sender)
+
+    async def _prepare(self, raw: bytes, faults: Faults) -> tuple[GenRequest, _Format, bool]:
+        """Validate and tokenize; raises ``ApiError`` with vLLM's status and wording."""
+        config, engine = self.replica.config, self.replica.engine
+        params = parse_generation(self.kind, parse_json(raw), config)
+        tokens = await prompt_tokens(params)
+        max_tokens = resolve_max_tokens(params, len(tokens), config)
+        try:
+            engine.check_prompt(len(tokens))
+        except PromptTooLong as exc:
+            raise wire.ApiError(400, str(exc), param="prompt") from None
+        rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        request = GenRequest(rid, tokens, max_tokens, params.n, params.cache_salt,
+                             hold_s=faults.stall_before_first_token_s)
+        return request, _Format(params, rid), params.stream
+
+    async def _stream(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:
+        async with self.replica.engine.generate(request) as gen:
+            await sender.start(200, b"text/event-stream", [(b"cache-control", b"no-cache"),
+                                                            (b"x-accel-buffering", b"no")])
+            opening = fmt.opening()
+            if opening:
+                await sender.body(opening)
+            sent = 0
+            async for ev in gen:
+                if faults.die_after_tokens is not None and sent >= faults.die_after_tokens:
+                    return  # leaving mid-body makes uvicorn close the connection: no [DONE]
+                await sender.body(fmt.token(ev))
+                sent += 1
+                if faults.garbage and sent == 1:
+                    await sender.body(_GARBAGE_EVENT)
+                if faults.stall_mid_stream_s and sent == faults.stall_after_tokens:
+                    await asyncio.sleep(faults.stall_mid_stream_s)
+            if fmt.with_usage:
+                await sender.body(fmt.usage_event(gen))
+            await sender.body(wire.DONE, more=False)
+
+    async def _unary(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:
+        texts: list[list[str]] = [[] for _ in range(request.n)]
+        dying = False
+        async with self.replica.engine.generate(request) as gen:
+            sent = 0
+            async for ev in gen:
+                if faults.die_after_tokens is not None and sent >= faults.die_after_tokens:
+                    dying = True
+                    break
+                texts[ev.index].append(ev.text)
+                sent += 1
+                if faults.stall_mid_stream_s and sent == faults.stall_after_tokens:
+                    await asyncio.sleep(faults.stall_mid_stream_s)
+        body = orjson.dumps(fmt.response(gen, texts))
+        if dying:
+            # Promise the whole body, send half, leave: the client sees a truncated response.
+            await sender.start(200, b"application/json", [(b"content-length", str(len(body)).encode())])
+            await sender.body(body[: len(body) // 2])
+            return
+        if faults.garbage:
+            body = body[: len(body) // 2]
+        await sender.full(200, body, b"application/json")

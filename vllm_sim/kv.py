@@ -1,0 +1,192 @@
+"""Prefix-cached KV block accounting, modelled on vLLM V1's block pool.
+
+Only full blocks are cached. A block's hash chains its parent's hash with its
+token ids (blake2b here; vLLM defaults to sha256, the chaining is what
+matters), and ``cache_salt`` enters block 0 only, so two requests share
+blocks only when their salts are equal and every earlier token matches.
+
+The pool holds ``num_blocks`` blocks. A block is *pinned* while a running
+request uses it, or *cached* (kept by hash, free, evictable) after release.
+Eviction takes the least recently used cached block. A released request's
+blocks are queued tail first, so its long shared head outlives its tail,
+as in vLLM, and a cached prefix stays contiguous.
+
+Reuse rule (vLLM's): at least the last prompt token is always recomputed,
+because the engine needs its logits. A fully cached prompt of P tokens
+therefore reuses ``(P - 1) // block_size`` blocks: with a 32-token prompt seen
+before, 16 tokens are reported cached, not 32.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from hashlib import blake2b
+from typing import Sequence
+
+__all__ = ["block_hashes", "KVPool", "Allocation"]
+
+_ROOT = b"vllm_sim:root"
+_DIGEST = 16
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = 16, salt: str | None = None) -> list[bytes]:
+    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none).
+
+    An empty ``salt`` counts as no salt (vLLM rejects an empty ``cache_salt``).
+    """
+    out: list[bytes] = []
+    parent = _ROOT
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = blake2b(parent, digest_size=_DIGEST)
+        h.update(struct.pack(f"<{block_size}q", *token_ids[start : start + block_size]))
+        if start == 0 and salt:
+            # The separator keeps a salt from colliding with token bytes.
+            h.update(b"\x00salt\x00" + salt.encode())
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+@dataclass(slots=True, eq=False)
+class Allocation:
+    """The blocks one request holds; give it back with ``KVPool.release``."""
+
+    pinned: list[bytes]  # hashed blocks (reused and newly cached), in prompt order
+    anonymous: int  # blocks without a hash: duplicates, the partial tail, decode growth
+    cached_blocks: int
+    cached_tokens: int
+    num_tokens: int
+    released: bool = field(default=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pinned) + self.anonymous
+
+
+class KVPool:
+    """A bounded pool of KV blocks with an LRU prefix cache; all operations are O(blocks touched)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._refs: dict[bytes, int] = {}  # every hashed block, pinned or cached
+        self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refs == 0, oldest first
+        self._pinned = 0  # blocks in use by requests (hashed with refs > 0, plus anonymous)
+        self.queries_tokens = 0
+        self.hits_tokens = 0
+
+    # -- read-only views -------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """Pinned fraction, 0..1. Cached-but-free blocks count as free, as in kv_cache_usage_perc."""
+        return self._pinned / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new request could get: never used, or cached and evictable."""
+        return self.num_blocks - self._pinned
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """Number of leading blocks of ``hashes`` present in the pool. No side effects."""
+        n = 0
+        for h in hashes:
+            if h not in self._refs:
+                break
+            n += 1
+        return n
+
+    # -- mutation ----------------------------------------------------------------------------
+    def allocate(self, hashes: list[bytes], total_tokens: int) -> Allocation | None:
+        """Pin the reusable prefix and allocate blocks for the rest of a ``total_tokens`` prompt.
+
+        ``hashes`` are the prompt's full-block hashes (``block_hashes``). Returns None,
+        changing nothing, when the blocks cannot be found even after evicting every
+        cached block. Prefix-cache counters move only on success, once per admission.
+        """
+        needed = self.blocks_for(total_tokens)
+        hits = min(self.match(hashes), max(0, (total_tokens - 1) // self.block_size))
+        reused_free = sum(1 for h in hashes[:hits] if self._refs[h] == 0)
+        new = needed - hits
+        if self._pinned + reused_free + new > self.num_blocks:
+            return None
+        for h in hashes[:hits]:
+            if self._refs[h] == 0:
+                del self._evictable[h]
+            self._refs[h] += 1
+        self._pinned += reused_free
+        self._make_room(new)
+        pinned = list(hashes[:hits])
+        for h in hashes[hits:needed]:
+            # Already present (the forced-recompute last block, or a block whose
+            # parent was evicted): vLLM computes a fresh, unshared copy, so do we.
+            if h not in self._refs:
+                self._refs[h] = 1
+                pinned.append(h)
+        anonymous = new - (len(pinned) - hits)
+        self._pinned += new
+        self.queries_tokens += total_tokens
+        self.hits_tokens += hits * self.block_size
+        return Allocation(pinned, anonymous, hits, hits * self.block_size, total_tokens)
+
+    def grow(self, allocation: Allocation, new_tokens: int) -> bool:
+        """Account ``new_tokens`` decoded tokens; False (nothing changed) if no block is left.
+
+        Decode blocks are never cached: a follow-up turn re-renders the reply through
+        the chat template, so its tokens rarely line up with the decoded ones anyway.
+        """
+        total = allocation.num_tokens + new_tokens
+        extra = self.blocks_for(total) - allocation.num_blocks
+        if extra > 0:
+            if self._pinned + extra > self.num_blocks:
+                return False
+            self._make_room(extra)
+            self._pinned += extra
+            allocation.anonymous += extra
+        allocation.num_tokens = total
+        return True
+
+    def release(self, allocation: Allocation) -> None:
+        """Unpin a request's blocks; its hashed blocks stay cached. Idempotent."""
+        if allocation.released:
+            return
+        allocation.released = True
+        # Tail first: the head becomes the most recently used and is evicted last.
+        for h in reversed(allocation.pinned):
+            refs = self._refs[h] - 1
+            self._refs[h] = refs
+            if refs == 0:
+                self._evictable[h] = None
+                self._evictable.move_to_end(h)
+                self._pinned -= 1
+        self._pinned -= allocation.anonymous
+
+    def clear(self) -> bool:
+        """Drop every cached block and zero the counters; True if nothing was pinned.
+
+        Blocks pinned by running requests stay (vLLM refuses a prefix-cache reset
+        while requests run; the simulator resets what it can).
+        """
+        for h in self._evictable:
+            del self._refs[h]
+        self._evictable.clear()
+        self.queries_tokens = 0
+        self.hits_tokens = 0
+        return self._pinned == 0
+
+    def _make_room(self, blocks: int) -> None:
+        # Callers checked that pinned + blocks fits, so evictable blocks suffice.
+        free_now = self.num_blocks - self._pinned - len(self._evictable)
+        for _ in range(max(0, blocks - free_now)):
+            h, _ = self._evictable.popitem(last=False)
+            del self._refs[h]

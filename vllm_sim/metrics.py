@@ -1,0 +1,64 @@
+"""``GET /metrics``: the vLLM V1 Prometheus series a gateway scrapes, written by hand.
+
+Hand-written rather than via prometheus_client because its default registry
+is a process global: two simulated replicas in one test process would share
+(and clash over) one registry. The layout copies prometheus_client's output
+for the same metrics, so any Prometheus parser reads it.
+"""
+
+from __future__ import annotations
+
+from vllm_sim.config import SimConfig
+from vllm_sim.engine import Engine
+
+__all__ = ["CONTENT_TYPE", "render_metrics"]
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+def _labels(pairs: dict[str, object]) -> str:
+    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in pairs.items())
+    return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+Sample = tuple[dict[str, object], float]
+
+
+def _family(lines: list[str], name: str, kind: str, help_: str, samples: list[Sample]) -> None:
+    lines.append(f"# HELP {name} {help_}")
+    lines.append(f"# TYPE {name} {kind}")
+    for labels, value in samples:
+        lines.append(f"{name}{_labels(labels)} {float(value)!r}")
+
+
+def render_metrics(config: SimConfig, engine: Engine) -> str:
+    base = {"engine": "0", "model_name": config.model}
+    pool, stats = engine.pool, engine.stats
+    lines: list[str] = []
+    _family(lines, "vllm:num_requests_running", "gauge",
+            "Number of requests in model execution batches.", [(base, engine.num_running)])
+    _family(lines, "vllm:num_requests_waiting", "gauge",
+            "Number of requests waiting to be processed.", [(base, engine.num_waiting)])
+    _family(lines, "vllm:kv_cache_usage_perc", "gauge",
+            "KV-cache usage. 1 means 100 percent usage.", [(base, pool.usage)])
+    _family(lines, "vllm:prefix_cache_queries_total", "counter",
+            "Prefix cache queries, in terms of number of queried tokens.", [(base, pool.queries_tokens)])
+    _family(lines, "vllm:prefix_cache_hits_total", "counter",
+            "Prefix cache hits, in terms of number of cached tokens.", [(base, pool.hits_tokens)])
+    info = {**base, "block_size": config.block_size, "num_gpu_blocks": config.num_gpu_blocks,
+            "enable_prefix_caching": "True", "prefix_caching_hash_algo": "blake2b"}
+    _family(lines, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+            [(info, 1)])
+    # vLLM counts aborted requests here too, under finished_reason="abort".
+    reasons = {**stats.finished_by_reason, "abort": stats.aborted}
+    _family(lines, "vllm:request_success_total", "counter", "Count of successfully processed requests.",
+            [({**base, "finished_reason": r}, reasons.get(r, 0)) for r in ("stop", "length", "abort")])
+    _family(lines, "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+            [(base, stats.prompt_tokens)])
+    _family(lines, "vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+            [(base, stats.generation_tokens)])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,73 @@
+"""Everything one simulated replica owns, built once per app: no module-level state anywhere.
+
+Several replicas can live in one process (one app each), which is how tests
+run a fleet of fakes on one event loop.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+from vllm_sim.config import SimConfig
+from vllm_sim.engine import Engine
+from vllm_sim.faults import Faults, Verdict, decide
+from vllm_sim.kv import KVPool
+from vllm_sim.stats import EngineStats
+
+__all__ = ["Replica"]
+
+
+class Replica:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.pool = KVPool(config.num_gpu_blocks, config.block_size)
+        self.engine = Engine(self.pool, config.timing)
+        # A copy: run-time changes (POST /sim/faults) must not write back into the caller's config.
+        self.faults: Faults = replace(config.faults)
+        self.rng = random.Random(config.seed)
+        # API requests received (generation and embeddings), faulted or invalid included:
+        # what a test counts to check that a gateway retried, or never forwarded.
+        self.http_requests = 0
+        self.faulted: dict[str, int] = {}
+
+    def roll_faults(self) -> tuple[Faults, Verdict]:
+        """Count an API request and decide its whole-response fault, with the faults in force now.
+
+        The returned ``Faults`` is the request's snapshot: POST /sim/faults replaces the
+        object rather than mutating it, so a request in flight keeps a consistent set.
+        """
+        self.http_requests += 1
+        faults = self.faults
+        verdict = decide(faults, self.rng)
+        if verdict is not None:
+            self.faulted[verdict] = self.faulted.get(verdict, 0) + 1
+        return faults, verdict
+
+    def reset(self) -> None:
+        """Forget cached blocks and counters (POST /sim/reset); running requests keep their blocks."""
+        self.pool.clear()
+        self.engine.stats = EngineStats()
+        self.http_requests = 0
+        self.faulted = {}
+
+    def stats(self) -> dict[str, Any]:
+        engine, pool = self.engine, self.pool
+        return {
+            **engine.stats.as_dict(),
+            # Every API request received, faulted or invalid included: "did it reach the replica?"
+            "requests": self.http_requests,
+            # Those that got as far as the engine.
+            "engine_requests": engine.stats.requests,
+            "faulted": dict(self.faulted),
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
+            "prefix_cache_queries_tokens": pool.queries_tokens,
+            "prefix_cache_hits_tokens": pool.hits_tokens,
+            "kv_cache_usage_perc": pool.usage,
+            "num_cached_blocks": pool.num_cached_blocks,
+            "num_gpu_blocks": pool.num_blocks,
+            "block_size": pool.block_size,
+            "name": self.config.name,
+        }

@@ -1,0 +1,41 @@
+"""How long engine steps take: the one place the simulator's latency model lives.
+
+The shape, not the constants, is what routing experiments depend on: prefill
+cost is linear in the tokens not served from the prefix cache (so a cache hit
+shortens time to first token), and a decode step gets slower as the batch
+grows (so piling requests on one replica hurts everyone on it).
+``time_scale`` multiplies every duration: 0.01 runs 100x faster than real
+time, 0 never sleeps at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TimingModel"]
+
+
+@dataclass(slots=True)
+class TimingModel:
+    prefill_base_s: float = 0.004
+    prefill_s_per_token: float = 1 / 15000
+    decode_base_s: float = 0.010
+    decode_s_per_seq: float = 0.0002
+    max_num_seqs: int = 64
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if min(self.prefill_base_s, self.prefill_s_per_token, self.decode_base_s, self.decode_s_per_seq) < 0:
+            raise ValueError("durations must be >= 0")
+        if self.time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+
+    def prefill_time(self, uncached_tokens: int) -> float:
+        """Scaled seconds to prefill ``uncached_tokens`` prompt tokens in one step."""
+        return (self.prefill_base_s + self.prefill_s_per_token * uncached_tokens) * self.time_scale
+
+    def decode_step_time(self, batch_size: int) -> float:
+        """Scaled seconds for one decode step of ``batch_size`` running sequences."""
+        return (self.decode_base_s + self.decode_s_per_seq * batch_size) * self.time_scale
