@@ -71,8 +71,8 @@ def _routes(rt: Runtime) -> list[Route]:
 
 
 def build_app(settings: Settings, *, runtime: Runtime | None = None,
-              client: httpx.AsyncClient | None = None) -> Starlette:
-    rt = runtime or Runtime(settings, client=client)
+              client: httpx.AsyncClient | None = None, config_path: str | None = None) -> Starlette:
+    rt = runtime or Runtime(settings, client=client, config_path=config_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:

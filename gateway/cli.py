@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvgate: {e}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level)
-    app = build_app(settings)
+    app = build_app(settings, config_path=args.config)
     servers = [make_server(app, settings.listen.host, settings.listen.port)]
     admin = _admin_app(app)
     if admin is not None and settings.admin.enabled:

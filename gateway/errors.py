@@ -120,3 +120,15 @@ def error_payload(err: GatewayError) -> bytes:
 def sse_error_event(err: GatewayError) -> bytes:
     """A mid-stream failure, in the shape the OpenAI SDK raises as APIError."""
     return b"data: " + orjson.dumps(err.body()) + b"\n\n"
+
+
+def from_policy(err: Any, headers: dict[str, str] | None = None) -> GatewayError:
+    """Translate a ``policies`` error or rejection at the boundary. Their messages are
+    fixed strings written to be shown (no key, no prompt), so they pass as they are."""
+    out = GatewayError(err.message, param=getattr(err, "param", None), code=err.code, headers=headers)
+    out.status = err.status
+    out.type = err.type
+    retry = getattr(err, "retry_after_s", None)
+    if retry is not None and "retry-after" not in out.headers:
+        out.headers["retry-after"] = str(max(1, int(retry)))
+    return out

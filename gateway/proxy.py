@@ -20,6 +20,7 @@ from routing import RouteFeedback, RouteRequest
 
 from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_body, request_id, \
     run_unless_disconnected
+from . import stages
 from .errors import BadRequest, GatewayError, internal_error
 from .relay import Outcome, relay_stream, relay_whole
 from .sse import StreamObserver
@@ -27,7 +28,9 @@ from .upstream import UpstreamCall, open_upstream, read_error_body
 from .validate import parse_json, validate
 
 if TYPE_CHECKING:
-    from .runtime import Principal, Runtime
+    from policies import Tenant
+
+    from .runtime import Runtime
 
 log = logging.getLogger("kvgate.access")
 
@@ -43,11 +46,12 @@ class RequestContext:
     headers: dict[str, str]
     body: dict[str, Any]
     model: str
-    principal: "Principal"
+    tenant: "Tenant"
     stream: bool
     include_usage: bool  # what the client asked for
     started: float
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    cache_req: Any = None  # set when the answer may be stored in the semantic cache
 
 
 class ProxyEndpoint:
@@ -64,7 +68,7 @@ class ProxyEndpoint:
         status, replica, tenant, outcome = 0, "-", "-", None
         try:
             ctx = await self._prepare(scope, receive, headers, rid, started)
-            tenant = ctx.principal.tenant
+            tenant = ctx.tenant.name
             disconnected, result = await run_unless_disconnected(receive, self._serve(ctx, exchange))
             if disconnected:
                 self.rt.metrics.disconnects.labels(self.endpoint).inc()
@@ -89,7 +93,7 @@ class ProxyEndpoint:
     async def _prepare(self, scope: Scope, receive: Receive, headers: dict[str, str], rid: str,
                        started: float) -> RequestContext:
         rt = self.rt
-        principal = rt.admit_key(headers, scope.get("query_string", b""))
+        tenant = stages.authenticate(rt, headers, scope.get("query_string", b""))
         limits = rt.settings.limits
         ctype = headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
         if ctype != "application/json" and not ctype.endswith("+json"):
@@ -101,19 +105,18 @@ class ProxyEndpoint:
         stream = bool(body.get("stream")) and self.endpoint != "embeddings"
         so = body.get("stream_options")
         include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
-        ctx = RequestContext(rid, self.endpoint, headers, body, model, principal, stream, include_usage, started)
-        await rt.admit_request(ctx)
+        ctx = RequestContext(rid, self.endpoint, headers, body, model, tenant, stream, include_usage, started)
+        await stages.admit(rt, ctx)
         return ctx
 
     async def _serve(self, ctx: RequestContext, exchange: Exchange) -> tuple[str, Outcome | None]:
         rt = self.rt
         for name, value in ctx.extra_headers:
             exchange.headers.append((name, value))
-        served = await rt.try_cache(ctx, exchange)
-        if served:
+        if await stages.serve_from_cache(rt, ctx, exchange):
             return "cache", None
-        body = rt.upstream_body(ctx)
-        route = RouteRequest(ctx.endpoint, ctx.model, ctx.principal.namespace, body,
+        body = stages.upstream_body(ctx)
+        route = RouteRequest(ctx.endpoint, ctx.model, ctx.tenant.namespace, ctx.body,
                              boundary_hint=ctx.headers.get("x-kvgate-cache-boundary"))
         timeouts = rt.settings.timeouts
         call = UpstreamCall(
@@ -136,7 +139,7 @@ class ProxyEndpoint:
             rt.policy.observe(route, RouteFeedback(
                 replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
                 outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None))
-            rt.after_response(ctx, replica.name, outcome)
+            stages.after_response(rt, ctx, replica.name, outcome)
             return replica.name, outcome
         finally:
             await attempt.close()

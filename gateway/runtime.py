@@ -1,41 +1,35 @@
 """The runtime: every shared resource of a running kvgate, created in lifespan.
 
 One object owns the HTTP client, replica pool, routing policy, metrics, tenant
-registry, rate limiter and semantic cache; the public and admin apps both read
-it, so nothing lives in module globals and tests can build as many gateways in
-one process as they like.
+policy engine, Redis connection and semantic cache; the public and admin apps
+both read it, so nothing lives in module globals and tests can build as many
+gateways in one process as they like. Per-request stages live in
+``gateway.stages``; this module is lifecycle and operator views.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import asyncio
 import logging
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import redis.asyncio as aioredis
 
-from routing import RoutingPolicy, make_policy
+from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry
+from routing import RoutingPolicy, make_policy, resolve
 
-from .asgi_io import Exchange
-from .errors import Unauthorized
 from .metrics import Metrics
-from .pool import PoolEvents, Replica, ReplicaPool
-from .settings import Settings
+from .pool import PoolEvents, Replica, ReplicaPool, snapshot
+from .settings import Settings, load_settings
+from .stats import TenantStats
 from .transport import LeanTransport
 
 if TYPE_CHECKING:
-    from .proxy import RequestContext
-    from .relay import Outcome
+    from semantic_cache import SemanticCache
 
 log = logging.getLogger("kvgate.runtime")
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    tenant: str
-    namespace: str
 
 
 def make_client(settings: Settings) -> httpx.AsyncClient:
@@ -48,90 +42,179 @@ def make_client(settings: Settings) -> httpx.AsyncClient:
                                                    connect=settings.timeouts.connect_s))
 
 
-def _key_in_query(query_string: bytes) -> bool:
-    if not query_string:
-        return False
-    names = {part.split(b"=", 1)[0].lower() for part in query_string.split(b"&")}
-    return bool(names & {b"api_key", b"api-key", b"key", b"apikey", b"access_token", b"token"})
+def _redis(settings: Settings) -> aioredis.Redis | None:
+    if settings.redis_url is None:
+        return None
+    t = settings.redis_timeout_s
+    # Short socket timeouts: a hung Redis must cost at most this, then breakers take over.
+    return aioredis.Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=t,
+                                   socket_connect_timeout=t, retry_on_timeout=False, health_check_interval=0)
 
 
 class Runtime:
-    def __init__(self, settings: Settings, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, settings: Settings, client: httpx.AsyncClient | None = None,
+                 config_path: str | Path | None = None) -> None:
         self.settings = settings
+        self.config_path = config_path
         self._own_client = client is None
         self.client = client or make_client(settings)
         self.metrics = Metrics(lambda: self.pool)
-        events = PoolEvents(on_eject=self._on_eject)
-        self.pool = ReplicaPool(settings.pool, self.client, settings.replicas, events=events)
+        self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
+                                events=PoolEvents(on_eject=self._on_eject))
         self.policy: RoutingPolicy = make_policy(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
-        secret = settings.server_secret.get_secret_value().encode()
-        self._secret = secret
-        self._keys = {
-            self._key_digest(k.get_secret_value()): Principal(t.name, t.cache_namespace)
-            for t in settings.tenants for k in t.api_keys
-        }
+        self.redis = _redis(settings)
+        secret = settings.server_secret.get_secret_value()
+        store = RedisTenantStore(self.redis, timeout_s=settings.redis_timeout_s) if self.redis else None
+        self.hygiene = HygieneTracker()
+        self.engine = PolicyEngine(
+            TenantRegistry(settings.tenants, secret, store),
+            RateLimiter(self.redis, timeout_s=settings.redis_timeout_s), self.hygiene,
+            boundary_marker=settings.routing.boundary_marker)
+        self.cache: SemanticCache | None = None
+        self.tenant_stats = TenantStats()
+        self.background: set[asyncio.Task[Any]] = set()
         self.started = False
+        self.shutting_down = False
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
+        registry = self.engine.registry
+        try:
+            await registry.load()
+        except Exception:  # a store fault must not stop start-up: we retry in watch()
+            log.warning("tenant store unavailable at start-up; serving config tenants")
+        if self.redis is not None:
+            self.spawn(registry.watch())
+        if self.settings.semantic_cache.enabled:
+            from semantic_cache import SemanticCache
+
+            url = self.settings.redis_url.get_secret_value() if self.settings.redis_url else None
+            self.cache = await SemanticCache.open(self.settings.semantic_cache, url, self.settings.redis_timeout_s)
+        if self.settings.routing.dns_name:
+            self.spawn(self._dns_loop())
         await self.pool.start()
         self.started = True
 
     async def stop(self) -> None:
+        for task in list(self.background):
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
         await self.pool.stop()
+        if self.cache is not None:
+            await self.cache.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
         if self._own_client:
             await self.client.aclose()
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """A background task the runtime keeps a reference to (and cancels at stop)."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
 
     def _on_eject(self, replica: Replica) -> None:
         self.metrics.ejections.labels(replica.name).inc()
 
-    # -- policy hooks used by the proxy -----------------------------------
-    def _key_digest(self, key: str) -> bytes:
-        return hmac.new(self._secret, key.encode(), hashlib.sha256).digest()
+    async def _dns_loop(self) -> None:
+        name = self.settings.routing.dns_name or ""
+        host, _, port = name.rpartition(":")
+        while True:
+            try:
+                urls = await resolve(host or name, int(port or 8000))
+                self._sync_dns(urls)
+            except (OSError, ValueError):
+                log.warning("DNS resolution failed", extra={"name": name})
+            await asyncio.sleep(self.settings.routing.dns_interval_s)
 
-    def admit_key(self, headers: dict[str, str], query_string: bytes) -> Principal:
-        if _key_in_query(query_string):
-            # Query strings end up in access logs and browser history: refuse, don't use.
-            raise Unauthorized("API keys are not accepted in the URL; send 'Authorization: Bearer <key>'",
-                               code="key_in_query")
-        if not self._keys:
-            return Principal("default", "default")
-        auth = headers.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not key:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
-        digest = self._key_digest(key)
-        found = self._keys.get(digest)
-        if found is None or not hmac.compare_digest(digest, self._key_digest(key)):
-            raise Unauthorized("invalid API key")
-        return found
+    def _sync_dns(self, urls: list[str]) -> None:
+        wanted = {u.split("//", 1)[-1]: u for u in urls}
+        for name, r in list(self.pool.replicas.items()):
+            if r.source == "dns" and name not in wanted:
+                self.pool.remove(name)
+        for name, url in wanted.items():
+            if name not in self.pool.replicas:
+                self.pool.add(name, url, source="dns")
 
-    async def admit_request(self, ctx: "RequestContext") -> None:
-        return None
+    # -- operator actions (admin API) --------------------------------------
+    def is_tenant_key(self, key: str) -> bool:
+        try:
+            return not self.engine.registry.open_mode and self.engine.registry.authenticate(key) is not None
+        except Exception:
+            return False
 
-    async def try_cache(self, ctx: "RequestContext", exchange: Exchange) -> bool:
-        return False
+    async def add_replica(self, name: str, url: str, *, weight: float = 1.0, models: list[str] | None = None) -> None:
+        replica = self.pool.add(name, url, weight=weight, models=models or (), source="admin")
+        await self.pool.check(replica)
 
-    def upstream_body(self, ctx: "RequestContext") -> dict[str, Any]:
-        body = dict(ctx.body)
-        if ctx.stream and not ctx.include_usage:
-            so = body.get("stream_options")
-            body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
-        return body
+    def set_routing(self, *, policy: str | None, epsilon: float | None) -> None:
+        update: dict[str, Any] = {}
+        if policy is not None:
+            update["policy"] = policy
+        if epsilon is not None:
+            update["epsilon"] = epsilon
+        if update:
+            routing = self.settings.routing.model_copy(update=update)
+            self.settings = self.settings.model_copy(update={"routing": routing})
+            self.policy = make_policy(routing)
 
-    def after_response(self, ctx: "RequestContext", replica: str, outcome: "Outcome") -> None:
-        usage = outcome.usage
-        if usage is None:
-            return
-        tokens = self.metrics.tokens
-        tenant = ctx.principal.tenant
-        if usage.prompt_tokens:
-            tokens.labels("prompt", replica, tenant).inc(usage.prompt_tokens)
-        if usage.completion_tokens:
-            tokens.labels("completion", replica, tenant).inc(usage.completion_tokens)
-        if usage.cached_tokens:
-            tokens.labels("cached", replica, tenant).inc(usage.cached_tokens)
+    def routing_stats(self) -> dict[str, Any]:
+        stats = getattr(self.policy, "stats", None)
+        out: dict[str, Any] = {"policy": self.policy.name, "epsilon": self.settings.routing.epsilon}
+        if callable(stats):
+            out.update(stats())
+        return out
+
+    def cache_stats(self) -> dict[str, Any]:
+        if self.cache is None:
+            return {"enabled": False}
+        return {"enabled": True, **self.cache.stats()}
+
+    async def purge_cache(self, *, tenant: str | None, model: str | None, older_than_s: float | None) -> int:
+        if self.cache is None:
+            return 0
+        namespace = None
+        if tenant is not None:
+            t = self.engine.registry.tenant(tenant)
+            namespace = t.namespace if t is not None else tenant
+        return await self.cache.purge(namespace=namespace, model=model, older_than_s=older_than_s)
+
+    def hygiene_report(self) -> dict[str, Any]:
+        return self.hygiene.report().to_dict()
+
+    async def reload_config(self) -> dict[str, Any]:
+        """Re-read the config file: replicas are added/removed, routing and limits replaced."""
+        from .errors import BadRequest
+        from .settings import ConfigError
+
+        if not self.config_path:
+            raise BadRequest("kvgate was started without a config file; nothing to reload", code="no_config")
+        try:
+            new = load_settings(self.config_path)
+        except ConfigError as e:
+            raise BadRequest(str(e), code="invalid_config") from None
+        wanted = {r.name: r for r in new.replicas}
+        for name, r in list(self.pool.replicas.items()):
+            if r.source == "config" and name not in wanted:
+                self.pool.remove(name)
+        for name, r in wanted.items():
+            if name not in self.pool.replicas:
+                self.pool.add(name, r.url, weight=r.weight, models=r.models)
+        self.settings = self.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
+                                                         "timeouts": new.timeouts})
+        self.policy = make_policy(new.routing)
+        return {"reloaded": True, "replicas": sorted(self.pool.replicas)}
+
+    def status(self) -> dict[str, Any]:
+        report = self.hygiene_report()
+        warned = {t.get("tenant"): sum(k.get("count", 0) for k in t.get("kinds", []))
+                  for t in report.get("tenants", [])}
+        tenants = [{**row, "warnings": warned.get(row["name"], 0)} for row in self.tenant_stats.rows()]
+        return {"replicas": snapshot(self.pool), "tenants": tenants, "totals": self.tenant_stats.totals(),
+                "hygiene": report, "cache": self.cache_stats(), "routing": self.routing_stats(),
+                "ready": self.readiness()[1]}
 
     # -- readiness ----------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:
@@ -140,12 +223,19 @@ class Runtime:
         models = configured | set(self.pool.models(healthy_only=False))
         degraded: list[str] = []
         unserved = sorted(m for m in models if not self.pool.eligible(m))
-        for m in unserved:
-            degraded.append(f"model {m}: no healthy replica")
+        degraded += [f"model {m}: no healthy replica" for m in unserved]
         down = [r.name for r in self.pool.replicas.values() if not r.available(now)]
         if down:
             degraded.append("replicas unavailable: " + ", ".join(sorted(down)))
-        ready = self.started and bool(self.pool.replicas) and not unserved and bool(models)
         if not self.pool.replicas:
             degraded.append("no replicas configured")
+        for part, state in self.engine.readiness().items():
+            if state != "ok":
+                degraded.append(f"{part}: {state}")
+        if self.cache is not None and not self.cache.healthy:
+            degraded.append("semantic cache: store degraded, serving misses")
+        if self.shutting_down:
+            degraded.append("shutting down")
+        ready = (self.started and not self.shutting_down and bool(self.pool.replicas) and not unserved
+                 and bool(models))
         return ready, {"ready": ready, "models": sorted(models), "degraded": degraded}

@@ -137,7 +137,7 @@ def test_missing_malformed_unknown_keys_are_401(stack: Stack, headers: dict[str,
 
 def test_key_in_query_string_is_refused(stack: Stack) -> None:
     r = httpx.post(stack.url + "/v1/chat/completions?api_key=sk-acme-1", json=GOOD, timeout=10)
-    assert _err(r, 401)["code"] == "key_in_query"
+    assert _err(r, 401)["code"] == "api_key_in_query"
     assert "sk-acme-1" not in r.text
 
 

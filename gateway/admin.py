@@ -1,0 +1,207 @@
+"""The admin REST API, on its own listener (127.0.0.1 by default), behind its own token.
+
+Replicas (list with live load and prefix hit rate; add, drain, remove), tenants
+(CRUD, key rotation), caches (statistics, purge), routing, hygiene reports and
+configuration reload; ``/openapi.json`` describes all of it, and ``/`` serves
+the status page. A tenant's API key is recognised and refused with 403; any
+other wrong token is 401. Reads are GET; every mutation is POST, PUT, PATCH or
+DELETE.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from .admin_openapi import openapi_document
+from .errors import BadRequest, Forbidden, GatewayError, NotFound, Unauthorized, error_payload
+from .pool import snapshot
+from .runtime import Runtime
+from .settings import ReplicaSettings
+
+STATIC = Path(__file__).parent / "static"
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReplicaIn(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    url: str
+    weight: float = Field(1.0, gt=0, le=1000)
+    models: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return ReplicaSettings(name="x", url=v).url
+
+
+class PurgeIn(_Body):
+    tenant: str | None = Field(None, max_length=64)
+    model: str | None = Field(None, max_length=256)
+    older_than_s: float | None = Field(None, ge=0, le=10 * 365 * 86400)
+
+
+class RoutingIn(_Body):
+    policy: str | None = Field(None, pattern=r"^(prefix_affinity|least_load|round_robin|consistent_hash)$")
+    epsilon: float | None = Field(None, ge=0, le=10)
+
+
+def _err(err: GatewayError) -> Response:
+    return Response(error_payload(err), status_code=err.status, media_type="application/json",
+                    headers=err.headers)
+
+
+async def _json(request: Request, model: type[_Body]) -> Any:
+    raw = await request.body()
+    if len(raw) > 1024 * 1024:
+        raise BadRequest("body too large")
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise BadRequest(f"invalid body: {first['msg']}", param=param) from None
+
+
+def _guard(rt: Runtime, handler: Handler) -> Handler:
+    async def guarded(request: Request) -> Response:
+        try:
+            _authorize(rt, request)
+            return await handler(request)
+        except GatewayError as err:
+            return _err(err)
+    return guarded
+
+
+def _authorize(rt: Runtime, request: Request) -> None:
+    token = rt.settings.admin.token
+    auth = request.headers.get("authorization", "")
+    presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if token is None:
+        raise Forbidden("the admin API is disabled: set admin.token", code="admin_disabled")
+    if presented and hmac.compare_digest(presented.encode(), token.get_secret_value().encode()):
+        return
+    if presented and rt.is_tenant_key(presented):
+        raise Forbidden("tenant keys cannot use the admin API")
+    raise Unauthorized("missing or invalid admin token", code="invalid_admin_token")
+
+
+def _routes(rt: Runtime) -> list[Route]:
+    async def replicas(request: Request) -> Response:
+        return JSONResponse({"replicas": snapshot(rt.pool)})
+
+    async def add_replica(request: Request) -> Response:
+        body = await _json(request, ReplicaIn)
+        if body.name in rt.pool.replicas:
+            err = BadRequest(f"replica {body.name!r} already exists", param="name", code="conflict")
+            err.status = 409
+            raise err
+        await rt.add_replica(body.name, body.url, weight=body.weight, models=body.models)
+        return JSONResponse(_replica_row(rt, body.name), status_code=201)
+
+    def _named(request: Request) -> str:
+        name = request.path_params["name"]
+        if name not in rt.pool.replicas:
+            raise NotFound(f"no replica named {name!r}", code="replica_not_found")
+        return str(name)
+
+    async def get_replica(request: Request) -> Response:
+        return JSONResponse(_replica_row(rt, _named(request)))
+
+    async def drain(request: Request) -> Response:
+        rt.pool.drain(_named(request), True)
+        return JSONResponse(_replica_row(rt, request.path_params["name"]))
+
+    async def undrain(request: Request) -> Response:
+        rt.pool.drain(_named(request), False)
+        return JSONResponse(_replica_row(rt, request.path_params["name"]))
+
+    async def remove(request: Request) -> Response:
+        rt.pool.remove(_named(request))
+        return Response(status_code=204)
+
+    async def routing(request: Request) -> Response:
+        return JSONResponse(rt.routing_stats())
+
+    async def set_routing(request: Request) -> Response:
+        body = await _json(request, RoutingIn)
+        rt.set_routing(policy=body.policy, epsilon=body.epsilon)
+        return JSONResponse(rt.routing_stats())
+
+    async def cache(request: Request) -> Response:
+        return JSONResponse(rt.cache_stats())
+
+    async def purge(request: Request) -> Response:
+        body = await _json(request, PurgeIn)
+        removed = await rt.purge_cache(tenant=body.tenant, model=body.model, older_than_s=body.older_than_s)
+        return JSONResponse({"removed": removed})
+
+    async def hygiene(request: Request) -> Response:
+        return JSONResponse(rt.hygiene_report())
+
+    async def reload(request: Request) -> Response:
+        return JSONResponse(await rt.reload_config())
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(rt.status())
+
+    g = lambda h: _guard(rt, h)  # noqa: E731
+    return [
+        Route("/admin/replicas", g(replicas), methods=["GET"]),
+        Route("/admin/replicas", g(add_replica), methods=["POST"]),
+        Route("/admin/replicas/{name}", g(get_replica), methods=["GET"]),
+        Route("/admin/replicas/{name}", g(remove), methods=["DELETE"]),
+        Route("/admin/replicas/{name}/drain", g(drain), methods=["POST"]),
+        Route("/admin/replicas/{name}/undrain", g(undrain), methods=["POST"]),
+        Route("/admin/routing", g(routing), methods=["GET"]),
+        Route("/admin/routing", g(set_routing), methods=["PATCH"]),
+        Route("/admin/cache", g(cache), methods=["GET"]),
+        Route("/admin/cache/purge", g(purge), methods=["POST"]),
+        Route("/admin/hygiene", g(hygiene), methods=["GET"]),
+        Route("/admin/config/reload", g(reload), methods=["POST"]),
+        Route("/admin/status", g(status), methods=["GET"]),
+        *_tenant_routes(rt, g),
+    ]
+
+
+def _replica_row(rt: Runtime, name: str) -> dict[str, Any]:
+    return next(r for r in snapshot(rt.pool) if r["name"] == name)
+
+
+def _tenant_routes(rt: Runtime, g: Callable[[Handler], Handler]) -> list[Route]:
+    from .admin_tenants import tenant_routes
+
+    return tenant_routes(rt, g, _json)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        err = BadRequest(f"method {request.method} not allowed here", code="method_not_allowed")
+        err.status = 405
+        return _err(err)
+    return _err(NotFound(f"unknown admin route {request.url.path}", code="unknown_route"))
+
+
+def build_admin_app(rt: Runtime) -> Starlette:
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_document())
+
+    async def page(request: Request) -> Response:
+        return HTMLResponse((STATIC / "status.html").read_text())
+
+    routes = [Route("/openapi.json", openapi, methods=["GET"]), Route("/", page, methods=["GET"]),
+              *_routes(rt)]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
