@@ -209,8 +209,7 @@ class Runtime:
 
     def status(self) -> dict[str, Any]:
         report = self.hygiene_report()
-        warned = {t.get("tenant"): sum(k.get("count", 0) for k in t.get("kinds", []))
-                  for t in report.get("tenants", [])}
+        warned = {name: t["requests_with_warnings"] for name, t in report["tenants"].items()}
         tenants = [{**row, "warnings": warned.get(row["name"], 0)} for row in self.tenant_stats.rows()]
         return {"replicas": snapshot(self.pool), "tenants": tenants, "totals": self.tenant_stats.totals(),
                 "hygiene": report, "cache": self.cache_stats(), "routing": self.routing_stats(),

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from gateway.admin import build_admin_app
 from gateway.app import build_app
 from gateway.runtime import Runtime
 from gateway.settings import Settings, load_settings
@@ -31,6 +32,7 @@ class Stack:
     gateway: ServerThread
     settings: Settings
     extra: list[ServerThread] = field(default_factory=list)
+    admin: ServerThread | None = None
 
     @property
     def url(self) -> str:
@@ -62,13 +64,15 @@ class Stack:
         return bool(predicate())
 
     def close(self) -> None:
+        if self.admin is not None:
+            self.admin.stop()
         self.gateway.stop()
         for s in [*self.sims.values(), *self.extra]:
             s.stop()
 
 
 def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[str, dict[str, Any]] | None = None,
-                **overrides: Any) -> Stack:
+                admin_token: str | None = None, **overrides: Any) -> Stack:
     """Start ``n`` simulated replicas r1..rN and a kvgate routing to them."""
     sims: dict[str, ServerThread] = {}
     for i in range(n):
@@ -80,9 +84,15 @@ def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[
         "routing": {"policy": "least_load"},
         "pool": {"health_interval_s": 60, "metrics_interval_s": 60},
     }
+    if admin_token is not None:
+        base["admin"] = {"token": admin_token}
     settings = load_settings(environ={}, overrides=_merge(base, overrides))
-    gateway = ServerThread(build_app(settings)).start()
-    return Stack(sims, gateway, settings)
+    app = build_app(settings)
+    gateway = ServerThread(app).start()
+    admin_server = None
+    if admin_token is not None:
+        admin_server = ServerThread(build_admin_app(app.state.runtime), lifespan="off").start()
+    return Stack(sims, gateway, settings, admin=admin_server)
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""The admin REST API: its own token, tenant keys refused, replicas/tenants/caches/routing, OpenAPI."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.support.servers import ServerThread
+from tests.support.stack import MODEL, Stack, sim_config, start_stack
+from vllm_sim.server import build_app as build_sim
+
+TOKEN = "admin-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    s = start_stack(2, admin_token=TOKEN, tenants=[{"name": "acme", "api_keys": ["sk-acme-1"]}])
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def admin(stack: Stack) -> Iterator[httpx.Client]:
+    assert stack.admin is not None
+    with httpx.Client(base_url=stack.admin.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=10) as c:
+        yield c
+
+
+def test_tokens_401_and_tenant_keys_403(stack: Stack) -> None:
+    assert stack.admin is not None
+    url = stack.admin.url + "/admin/replicas"
+    assert httpx.get(url, timeout=5).status_code == 401
+    assert httpx.get(url, headers={"authorization": "Bearer nope"}, timeout=5).status_code == 401
+    r = httpx.get(url, headers={"authorization": "Bearer sk-acme-1"}, timeout=5)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+
+
+def test_reads_are_get_mutations_are_not(admin: httpx.Client) -> None:
+    assert admin.get("/admin/cache/purge").status_code == 405
+    assert admin.get("/admin/replicas/r1/drain").status_code == 405
+
+
+def test_replicas_list_add_drain_remove(stack: Stack, admin: httpx.Client) -> None:
+    rows = admin.get("/admin/replicas").json()["replicas"]
+    assert {r["name"] for r in rows} == {"r1", "r2"}
+    assert {"in_flight", "kv_usage", "prefix_hit_rate", "healthy"} <= set(rows[0])
+    extra = ServerThread(build_sim(sim_config("r3"))).start()
+    stack.extra.append(extra)
+    r = admin.post("/admin/replicas", json={"name": "r3", "url": extra.url})
+    assert r.status_code == 201 and r.json()["healthy"] is True
+    assert admin.post("/admin/replicas", json={"name": "r3", "url": extra.url}).status_code == 409
+    assert admin.post("/admin/replicas", json={"name": "bad name", "url": "x"}).status_code == 400
+    for name in ("r1", "r2"):
+        assert admin.post(f"/admin/replicas/{name}/drain").json()["draining"] is True
+    client = openai.OpenAI(base_url=stack.base_url, api_key="sk-acme-1", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert raw.headers["x-kvgate-replica"] == "r3"  # the only one not draining
+    for name in ("r1", "r2"):
+        admin.post(f"/admin/replicas/{name}/undrain")
+    assert admin.delete("/admin/replicas/r3").status_code == 204
+    assert admin.get("/admin/replicas/r3").status_code == 404
+
+
+def test_tenant_lifecycle_and_key_rotation(stack: Stack, admin: httpx.Client) -> None:
+    created = admin.post("/admin/tenants", json={"name": "beta", "requests_per_minute": 100})
+    assert created.status_code == 201, created.text
+    key = created.json()["api_key"]
+    assert key.startswith("sk-")
+    listed = admin.get("/admin/tenants").text
+    assert key not in listed and "sk-acme-1" not in listed
+    client = openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0)
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    rotated = admin.post("/admin/tenants/beta/keys", json={"rotate": True}).json()
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    fresh = openai.OpenAI(base_url=stack.base_url, api_key=rotated["api_key"], max_retries=0)
+    assert fresh.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert admin.patch("/admin/tenants/beta", json={"requests_per_minute": 5}).json()["requests_per_minute"] == 5
+    assert admin.post("/admin/tenants", json={"name": "beta"}).status_code == 409
+    assert admin.delete("/admin/tenants/acme").status_code == 409  # config tenants change in the config file
+    assert admin.delete("/admin/tenants/beta").status_code == 204
+    assert admin.get("/admin/tenants/beta").status_code == 404
+
+
+def test_routing_cache_hygiene_status_openapi(admin: httpx.Client) -> None:
+    assert admin.get("/admin/routing").json()["policy"]
+    assert admin.patch("/admin/routing", json={"policy": "round_robin"}).json()["policy"] == "round_robin"
+    assert admin.patch("/admin/routing", json={"policy": "magic"}).status_code == 400
+    admin.patch("/admin/routing", json={"policy": "least_load"})
+    assert admin.get("/admin/cache").json() == {"enabled": False}
+    assert admin.post("/admin/cache/purge", json={"tenant": "acme"}).json() == {"removed": 0}
+    assert "tenants" in admin.get("/admin/hygiene").json()
+    status = admin.get("/admin/status").json()
+    assert {"replicas", "tenants", "totals", "hygiene", "cache", "routing"} <= set(status)
+    doc = httpx.get(str(admin.base_url) + "/openapi.json", timeout=5).json()
+    assert doc["openapi"].startswith("3.") and "/admin/tenants/{name}/keys" in doc["paths"]
+    assert "<title>kvgate status</title>" in httpx.get(str(admin.base_url) + "/", timeout=5).text
+    assert admin.post("/admin/config/reload").status_code == 400  # started without a file
