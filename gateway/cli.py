@@ -20,11 +20,18 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logs.configure(settings.log_level)
     app = build_app(settings, config_path=args.config)
-    servers = [make_server(app, settings.listen.host, settings.listen.port)]
+    t = settings.timeouts
+    opts = {"header_timeout_s": t.header_receive_s, "grace_s": settings.shutdown_grace_s}
+    servers = [make_server(app, settings.listen.host, settings.listen.port, **opts)]
     admin = _admin_app(app)
     if admin is not None and settings.admin.enabled:
-        servers.append(make_server(admin, settings.admin.host, settings.admin.port, lifespan="off"))
-    run(run_servers(servers))
+        servers.append(make_server(admin, settings.admin.host, settings.admin.port, lifespan="off", **opts))
+    runtime = app.state.runtime
+
+    def on_signal() -> None:
+        runtime.shutting_down = True  # /readyz answers 503 from now on
+
+    run(run_servers(servers, on_signal=on_signal, delay_s=settings.shutdown_delay_s))
     return 0
 
 

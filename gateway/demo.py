@@ -83,5 +83,5 @@ async def run_demo(port: int = 8080, replicas: int = 3, time_scale: float = 0.2,
         admin_port = 0
     print(_banner(port, admin_port or None, sims), file=sys.stderr, flush=True)
     # Replicas first: kvgate's start-up health check should find them up.
-    await run_servers([*servers, gateway, *([admin] if admin else [])])
+    await run_servers([*servers, gateway, *([admin] if admin else [])], delay_s=0.0)
     return 0

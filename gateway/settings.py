@@ -95,6 +95,8 @@ class TimeoutSettings(_Section):
     stall_s: float = Field(60.0, gt=0)
     # Whole non-streaming answer.
     non_stream_s: float = Field(600.0, gt=0)
+    # A request head must be complete this long after its first byte (slowloris).
+    header_receive_s: float = Field(10.0, gt=0)
     # Client must finish sending its body within this.
     body_receive_s: float = Field(30.0, gt=0)
 
@@ -130,6 +132,10 @@ class Settings(_Section):
     # Prompt text in logs only when this is explicitly on.
     log_prompts: bool = False
     otlp_endpoint: str | None = None
+    # On SIGTERM: /readyz turns 503 at once; new requests are still served for
+    # shutdown_delay_s (load balancers need that long to notice), then the
+    # listeners close and streams in flight get up to shutdown_grace_s to finish.
+    shutdown_delay_s: float = Field(5.0, ge=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")
