@@ -126,7 +126,7 @@ class Runtime:
                 urls = await resolve(host or name, int(port or 8000))
                 self._sync_dns(urls)
             except (OSError, ValueError):
-                log.warning("DNS resolution failed", extra={"name": name})
+                log.warning("DNS resolution failed", extra={"dns_name": name})
             await asyncio.sleep(self.settings.routing.dns_interval_s)
 
     def _sync_dns(self, urls: list[str]) -> None:

@@ -58,6 +58,6 @@ def test_cli_refuses_bad_config(tmp_path: Path) -> None:
     p = tmp_path / "bad.yaml"
     p.write_text("listen: {port: -1}\n")
     proc = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(p)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert "listen.port" in proc.stderr
