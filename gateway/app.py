@@ -20,8 +20,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .errors import BadRequest, GatewayError, NotFound, error_payload
+from .asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
-from .proxy import ProxyEndpoint
+from .proxy import PATHS, ProxyEndpoint
 from .runtime import Runtime
 from .settings import Settings
 
@@ -60,9 +61,6 @@ def _routes(rt: Runtime) -> list[Route]:
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [
-        Route("/v1/chat/completions", ProxyEndpoint("chat", rt), methods=["POST"]),
-        Route("/v1/completions", ProxyEndpoint("completions", rt), methods=["POST"]),
-        Route("/v1/embeddings", ProxyEndpoint("embeddings", rt), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
@@ -70,9 +68,38 @@ def _routes(rt: Runtime) -> list[Route]:
     ]
 
 
-def build_app(settings: Settings, *, runtime: Runtime | None = None,
-              client: httpx.AsyncClient | None = None, config_path: str | None = None) -> Starlette:
-    rt = runtime or Runtime(settings, client=client, config_path=config_path)
+class KvgateApp:
+    """The outermost ASGI callable.
+
+    The OpenAI POST routes go straight to their endpoint: the hot path skips
+    Starlette's router and exception middleware (measured at about a fifth of
+    kvgate's per-request CPU with ``bench/overhead.py``); every other route, a
+    wrong method on a proxy route, and lifespan go to the Starlette app.
+    """
+
+    def __init__(self, app: Starlette, endpoints: dict[str, ProxyEndpoint]) -> None:
+        self.app = app
+        self.state = app.state
+        self.endpoints = endpoints
+        self.http = middleware_stack(self._dispatch)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.http(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.endpoints.get(scope["path"]) if scope["method"] == "POST" else None
+        if endpoint is not None:
+            await endpoint(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path: str | None = None,
+              transport: httpx.AsyncBaseTransport | None = None) -> KvgateApp:
+    rt = runtime or Runtime(settings, transport=transport, config_path=config_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -82,7 +109,16 @@ def build_app(settings: Settings, *, runtime: Runtime | None = None,
         finally:
             await rt.stop()
 
-    app = Starlette(routes=_routes(rt), lifespan=lifespan, middleware=middleware_stack(),
+    endpoints = {PATHS[name]: ProxyEndpoint(name, rt) for name in PATHS}
+    proxy_routes = [Route(path, _method_not_allowed, methods=["GET", "PUT", "PATCH", "DELETE"])
+                    for path in endpoints]
+    app = Starlette(routes=[*_routes(rt), *proxy_routes], lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception})
     app.state.runtime = rt
-    return app
+    return KvgateApp(app, endpoints)
+
+
+async def _method_not_allowed(request: Request) -> Response:
+    err = BadRequest(f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
+    err.status = 405
+    return _error_response(err)

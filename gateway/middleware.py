@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.middleware import Middleware
-
 from .asgi_io import Receive, Scope, Send, request_id
 from .errors import GatewayError, error_payload
 
@@ -24,8 +22,7 @@ class HeaderLimits:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = scope["headers"]
-            size = sum(len(k) + len(v) for k, v in headers)
-            if len(headers) > self.max_count or size > self.max_bytes:
+            if len(headers) > self.max_count or sum(map(len, map(b"".join, headers))) > self.max_bytes:
                 err = GatewayError("request headers are too large", code="headers_too_large")
                 err.status, err.type = 431, "invalid_request_error"
                 body = error_payload(err)
@@ -67,6 +64,7 @@ class RequestId:
         await self.app(scope, receive, send_with_id)
 
 
-def middleware_stack() -> list[Middleware]:
-    """The middleware, outermost first. Kept tiny: anything per-request lives in the proxy endpoint."""
-    return [Middleware(RequestId), Middleware(HeaderLimits)]
+def middleware_stack(app: Any) -> Any:
+    """The middleware around every HTTP request, outermost first. Kept tiny: anything
+    per-request beyond these lives in the proxy endpoint."""
+    return RequestId(HeaderLimits(app))

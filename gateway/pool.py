@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import httpx
@@ -53,6 +53,14 @@ class Replica:
     prefix_hits: float | None = None
     served: int = 0
     failures: int = 0
+    _urls: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
+
+    def url_for(self, path: str) -> httpx.URL:
+        """Parsed once per path: URL parsing is a visible share of a proxied request's cost."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(self.url + path)
+        return url
 
     @property
     def models(self) -> frozenset[str]:
@@ -130,9 +138,12 @@ class ReplicaPool:
         *,
         events: PoolEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
+        # The hot path sends through the transport directly; see Runtime.
+        self.transport: httpx.AsyncBaseTransport = transport or client._transport
         self.clock = clock
         self.events = events or PoolEvents()
         self.replicas: dict[str, Replica] = {}

@@ -24,6 +24,7 @@ from . import stages
 from .errors import BadRequest, GatewayError, internal_error
 from .relay import Outcome, relay_stream, relay_whole
 from .sse import StreamObserver
+from .transport import UPSTREAM_HEADERS
 from .upstream import UpstreamCall, open_upstream, read_error_body
 from .validate import parse_json, validate
 
@@ -121,7 +122,7 @@ class ProxyEndpoint:
         timeouts = rt.settings.timeouts
         call = UpstreamCall(
             path=self.path, payload=orjson.dumps(body),
-            headers={"content-type": "application/json", "x-request-id": ctx.request_id},
+            headers={**UPSTREAM_HEADERS, "content-type": "application/json", "x-request-id": ctx.request_id},
             read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
         )

@@ -24,7 +24,7 @@ from .metrics import Metrics
 from .pool import PoolEvents, Replica, ReplicaPool, snapshot
 from .settings import Settings, load_settings
 from .stats import TenantStats
-from .transport import LeanTransport
+from .transport import UPSTREAM_HEADERS, LeanTransport
 
 if TYPE_CHECKING:
     from semantic_cache import SemanticCache
@@ -32,12 +32,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.runtime")
 
 
-def make_client(settings: Settings) -> httpx.AsyncClient:
+def make_client(settings: Settings, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
+    """The client for health checks, metrics scrapes and discovery (not the hot path)."""
     # trust_env=False: upstream hosts come only from configuration, never from proxy
     # variables. identity encoding: bytes are relayed as they come, never re-encoded.
-    return httpx.AsyncClient(transport=LeanTransport(max_idle_per_origin=settings.pool.max_connections),
-                             trust_env=False, follow_redirects=False,
-                             headers={"accept-encoding": "identity", "user-agent": "kvgate"},
+    return httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
+                             headers=UPSTREAM_HEADERS,
                              timeout=httpx.Timeout(settings.timeouts.first_byte_s,
                                                    connect=settings.timeouts.connect_s))
 
@@ -52,15 +52,18 @@ def _redis(settings: Settings) -> aioredis.Redis | None:
 
 
 class Runtime:
-    def __init__(self, settings: Settings, client: httpx.AsyncClient | None = None,
+    def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None,
                  config_path: str | Path | None = None) -> None:
         self.settings = settings
         self.config_path = config_path
-        self._own_client = client is None
-        self.client = client or make_client(settings)
+        # The network seam: one httpx transport. The hot path calls it directly (an
+        # AsyncClient's cookie, auth and redirect machinery cost more than the
+        # transport itself); health checks use a client built on the same transport.
+        self.transport = transport or LeanTransport(max_idle_per_origin=settings.pool.max_connections)
+        self.client = make_client(settings, self.transport)
         self.metrics = Metrics(lambda: self.pool)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
-                                events=PoolEvents(on_eject=self._on_eject))
+                                events=PoolEvents(on_eject=self._on_eject), transport=self.transport)
         self.policy: RoutingPolicy = make_policy(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
         self.redis = _redis(settings)
@@ -105,8 +108,7 @@ class Runtime:
             await self.cache.aclose()
         if self.redis is not None:
             await self.redis.aclose()
-        if self._own_client:
-            await self.client.aclose()
+        await self.client.aclose()
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """A background task the runtime keeps a reference to (and cancels at stop)."""

@@ -21,6 +21,8 @@ from typing import Any, AsyncIterator
 import httptools
 import httpx
 
+# Sent on every upstream request. identity: bytes are relayed as they come.
+UPSTREAM_HEADERS = {"accept-encoding": "identity", "user-agent": "kvgate"}
 _HIGH_WATER = 1 << 20  # pause reading from the replica above this much unconsumed body
 _LOW_WATER = 1 << 16
 

@@ -73,7 +73,8 @@ async def open_upstream(
             raise NotFound(f"model '{route.model}' is not served here", param="model")
         raise NoReplica(f"no healthy replica serves model '{route.model}'")
     order = policy.prefer(route, candidates)
-    timeout = httpx.Timeout(call.read_timeout_s, connect=call.connect_timeout_s)
+    timeout = {"connect": call.connect_timeout_s, "read": call.read_timeout_s, "write": call.connect_timeout_s,
+               "pool": call.connect_timeout_s}
     retry_after: float | None = None
     last_error: GatewayError | None = None
     budget_held = 0
@@ -87,10 +88,10 @@ async def open_upstream(
             headers = call.headers
             if replica_keys and replica.name in replica_keys:
                 headers = {**headers, "authorization": f"Bearer {replica_keys[replica.name]}"}
-            request = pool.client.build_request("POST", replica.url + call.path, content=call.payload,
-                                                headers=headers, timeout=timeout)
+            request = httpx.Request("POST", replica.url_for(call.path), content=call.payload, headers=headers,
+                                    extensions={"timeout": timeout})
             try:
-                response = await pool.client.send(request, stream=True)
+                response = await pool.transport.handle_async_request(request)
             except httpx.TimeoutException as e:
                 lease.release()
                 if isinstance(e, (httpx.ConnectTimeout, httpx.PoolTimeout)):

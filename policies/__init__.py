@@ -25,7 +25,8 @@ from .tenant_store import MemoryTenantStore, RedisTenantStore, TenantStore
 from .tenants import IssuedKey, Tenant, TenantInfo, TenantRegistry, allows_model
 
 __all__ = [
-    "CLIENT_AUTH_HEADERS", "PREFIX_WARNING_HEADER", "AdminError", "AuthError", "HygieneReport", "HygieneTracker",
+    "CLIENT_AUTH_HEADERS", "PREFIX_WARNING_HEADER", "AdminError", "AuthError", "HygieneReport",
+    "HygieneTracker",
     "IssuedKey", "MemoryTenantStore", "PolicyDecision", "PolicyEngine", "PolicyError", "PrefixWarning",
     "RateDecision", "RateLimiter", "RedisTenantStore", "Rejection", "Tenant", "TenantInfo", "TenantRegistry",
     "TenantStore", "allows_model", "analyze", "apply_salt", "cache_salt", "evaluate", "extract_api_key",

@@ -77,7 +77,8 @@ def test_tools_are_normalised_only_for_tenants_who_opted_in() -> None:
 
 
 def test_prefix_warning_header() -> None:
-    d = evaluate(tenant(), chat("Now: 2025-03-03T10:22:01Z. Conversation 550e8400-e29b-41d4-a716-446655440000."))
+    volatile = "Now: 2025-03-03T10:22:01Z. Conversation 550e8400-e29b-41d4-a716-446655440000."
+    d = evaluate(tenant(), chat(volatile))
     assert dict(d.response_headers)[PREFIX_WARNING_HEADER] == "timestamp,uuid"
     assert evaluate(tenant(), chat()).response_headers == ()
     quiet = evaluate(tenant(prompt_hygiene=False), chat("Now: 2025-03-03T10:22:01Z"))
@@ -86,8 +87,9 @@ def test_prefix_warning_header() -> None:
 
 # -- the engine ------------------------------------------------------------------------
 def engine(**kw: Any) -> PolicyEngine:
-    reg = TenantRegistry([TenantSettings(name="acme", api_keys=[SecretStr("sk-acme-0001")], requests_per_minute=2,
-                                         models=["llama"])], SECRET)
+    acme = TenantSettings(name="acme", api_keys=[SecretStr("sk-acme-0001")], requests_per_minute=2,
+                          models=["llama"])
+    reg = TenantRegistry([acme], SECRET)
     return PolicyEngine(reg, tracker=HygieneTracker(), **kw)
 
 

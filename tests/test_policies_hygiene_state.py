@@ -25,7 +25,8 @@ def observe(tracker: HygieneTracker, tenant: str, b: dict[str, Any]) -> list[str
 
 
 def tool(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": params}}
+    fn = {"name": name, "description": f"{name} tool", "parameters": params}
+    return {"type": "function", "function": fn}
 
 
 SEARCH = tool("search", {"type": "object", "properties": {"q": {"type": "string"}, "k": {"type": "integer"}}})
@@ -76,7 +77,8 @@ def test_unrelated_or_identical_prompts_are_not_per_user() -> None:
     t = HygieneTracker()
     observe(t, "acme", body("You are a billing assistant. " + SHARED))
     assert observe(t, "acme", body("You are a billing assistant. " + SHARED)) == []
-    assert observe(t, "acme", body("Translate everything the user says into French, word for word. " * 5)) == []
+    other = "Translate everything the user says into French, word for word. " * 5
+    assert observe(t, "acme", body(other)) == []
 
 
 def test_differing_span_rules() -> None:

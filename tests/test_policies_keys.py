@@ -42,6 +42,7 @@ def test_azure_and_x_api_key_headers_are_accepted() -> None:
     assert extract_api_key({"x-api-key": "sk-abc"}) == "sk-abc"
     # the same key twice is not ambiguous
     assert extract_api_key({"authorization": "Bearer sk-abc", "x-api-key": "sk-abc"}) == "sk-abc"
+    assert extract_api_key({"authorization": "Bearer sk-abc", "api-key": ""}) == "sk-abc"
 
 
 def test_no_credential_header_is_missing_not_malformed() -> None:

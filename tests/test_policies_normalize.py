@@ -20,7 +20,8 @@ json_values = st.recursive(
     max_leaves=20,
 )
 tool_lists = st.lists(
-    st.builds(lambda params, desc: {"type": "function", "function": {"description": desc, "parameters": params}},
+    st.builds(lambda params, desc: {"type": "function",
+                                    "function": {"description": desc, "parameters": params}},
               st.dictionaries(st.text(max_size=6), json_values, max_size=5), st.text(max_size=10)),
     min_size=1, max_size=5,
 ).map(lambda tools: [dict(t, function=dict(t["function"], name=f"tool_{i}")) for i, t in enumerate(tools)])

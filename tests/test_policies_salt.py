@@ -44,8 +44,8 @@ def test_strip_removes_dangerous_fields_and_reports_their_names() -> None:
 
 
 def test_strip_keeps_legitimate_vllm_extensions() -> None:
-    body = {"model": "m", "prompt": "x", "top_k": 1, "min_p": 0.1, "guided_json": {}, "chat_template_kwargs": {},
-            "stream_options": {"include_usage": True}}
+    body = {"model": "m", "prompt": "x", "top_k": 1, "min_p": 0.1, "guided_json": {},
+            "chat_template_kwargs": {}, "stream_options": {"include_usage": True}}
     out, removed = strip_client_fields(body)
     assert out == body and removed == ()
 

@@ -6,11 +6,12 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
 import anyio
 import pytest
+import redis
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
@@ -38,8 +39,18 @@ async def client(url: str) -> AsyncIterator[Redis]:
         await r.aclose()
 
 
-def prefix() -> str:
-    return f"kvgate-test:{uuid.uuid4().hex[:8]}:"
+@pytest.fixture
+def pfx(redis_service: str) -> Iterator[str]:
+    """A key prefix of this test's own on the shared Redis, deleted afterwards."""
+    prefix = f"kvgate-test:{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    sync = redis.Redis.from_url(redis_service)
+    try:
+        keys = list(sync.scan_iter(match=prefix + "*"))
+        if keys:
+            sync.delete(*keys)
+    finally:
+        sync.close()
 
 
 async def eventually(check: Callable[[], bool], within_s: float) -> float:
@@ -75,8 +86,7 @@ async def dump(r: Redis, pfx: str) -> bytes:
     return out
 
 
-async def test_redis_holds_digests_never_plaintext(redis_service: str) -> None:
-    pfx = prefix()
+async def test_redis_holds_digests_never_plaintext(redis_service: str, pfx: str) -> None:
     async with client(redis_service) as r:
         reg = TenantRegistry(config(), SECRET, RedisTenantStore(r, prefix=pfx))
         await reg.load()
@@ -90,8 +100,7 @@ async def test_redis_holds_digests_never_plaintext(redis_service: str) -> None:
         assert reg.authenticate(rotated.api_key).name == "acme"
 
 
-async def test_two_instances_see_each_others_changes_within_a_second(redis_service: str) -> None:
-    pfx = prefix()
+async def test_two_instances_see_each_others_changes_within_a_second(redis_service: str, pfx: str) -> None:
     async with client(redis_service) as ra, client(redis_service) as rb:
         a = TenantRegistry(config(), SECRET, RedisTenantStore(ra, prefix=pfx))
         b = TenantRegistry(config(), SECRET, RedisTenantStore(rb, prefix=pfx))
@@ -104,7 +113,7 @@ async def test_two_instances_see_each_others_changes_within_a_second(redis_servi
             issued = await a.add_key("delta")
             assert await eventually(authenticates(b, issued.api_key, "delta"), 1.0) < 1.0
             await a.update_tenant("delta", {"requests_per_minute": 7})
-            await eventually(lambda: b.tenant("delta") is not None and b.tenant("delta").rpm == 7, 1.0)  # type: ignore
+            await eventually(lambda: getattr(b.tenant("delta"), "rpm", None) == 7, 1.0)
             rotated = await b.rotate_key("acme")  # a config tenant's key, changed on the other instance
             await eventually(authenticates(a, rotated.api_key, "acme"), 1.0)
             await eventually(authenticates(a, KEY_A, None), 1.0)
@@ -113,8 +122,21 @@ async def test_two_instances_see_each_others_changes_within_a_second(redis_servi
             tg.cancel_scope.cancel()
 
 
-async def test_a_revoked_config_key_stays_revoked_after_a_restart(redis_service: str) -> None:
-    pfx = prefix()
+async def test_changes_are_published_not_only_polled(redis_service: str, pfx: str) -> None:
+    async with client(redis_service) as ra, client(redis_service) as rb:
+        a = TenantRegistry(config(), SECRET, RedisTenantStore(ra, prefix=pfx))
+        b = TenantRegistry(config(), SECRET, RedisTenantStore(rb, prefix=pfx))
+        await a.load()
+        await b.load()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: b.watch(poll_s=10.0))  # a poll would take 10 s
+            await anyio.sleep(0.2)  # subscribed
+            issued = await a.add_key("acme")
+            assert await eventually(authenticates(b, issued.api_key, "acme"), 0.5) < 0.5
+            tg.cancel_scope.cancel()
+
+
+async def test_a_revoked_config_key_stays_revoked_after_a_restart(redis_service: str, pfx: str) -> None:
     async with client(redis_service) as r:
         first = TenantRegistry(config(), SECRET, RedisTenantStore(r, prefix=pfx))
         await first.load()
@@ -179,7 +201,7 @@ async def test_without_a_loaded_store_open_mode_fails_closed(private_redis: Priv
 
 
 async def test_watch_loads_once_redis_comes_back(private_redis: PrivateRedis) -> None:
-    pfx = prefix()
+    pfx = f"kvgate-test:{uuid.uuid4().hex[:8]}:"  # on the private Redis: removed with it
     async with client(private_redis.url) as seed:
         await TenantRegistry([], SECRET, RedisTenantStore(seed, prefix=pfx)).create_tenant({"name": "delta"})
     assert private_redis.proc is not None
