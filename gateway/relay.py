@@ -43,12 +43,28 @@ class Outcome:
     raw: bytes | None = None  # non-streaming body, for the cache
 
 
-async def _next_chunk(it: AsyncIterator[bytes], timeout_s: float) -> bytes | None:
+async def _next_chunk(it: AsyncIterator[bytes], timeout_s: float | None) -> bytes | None:
+    """The next upstream chunk. ``timeout_s`` None: the transport enforces the deadline."""
     try:
+        if timeout_s is None:
+            return await it.__anext__()
         async with asyncio.timeout(timeout_s):
             return await it.__anext__()
     except StopAsyncIteration:
         return None
+    except httpx.ReadTimeout:
+        raise TimeoutError from None
+
+
+def _stall_deadline(response: httpx.Response, stall_s: float) -> float | None:
+    """After the first token the deadline between chunks is ``stall_s``. kvgate's own
+    transport applies it natively (cheaper than a timer per chunk); any other
+    transport gets an asyncio timeout per chunk."""
+    stream = response.stream
+    if hasattr(stream, "read_timeout"):
+        stream.read_timeout = stall_s
+        return None
+    return stall_s
 
 
 async def _drain(it: AsyncIterator[bytes], limit: int = 64 * 1024) -> None:
@@ -89,9 +105,10 @@ async def relay_stream(
     outcome.ttft_s = time.perf_counter() - started_at
     await exchange.start(200, SSE_HEADERS)
     await exchange.body(pending)
+    per_chunk = _stall_deadline(response, stall_s)
     try:
         while observer.failure is None and not observer.done:
-            chunk = await _next_chunk(it, stall_s)
+            chunk = await _next_chunk(it, per_chunk)
             if chunk is None:
                 observer.finish()
                 break

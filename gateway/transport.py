@@ -120,7 +120,9 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    async def next_chunk(self) -> bytes | None:
+    async def next_chunk(self, timeout: float | None) -> bytes | None:
+        """The next body chunk, None at the end. A timer is armed only when we must
+        wait: per-chunk ``asyncio.timeout`` was a measurable share of streaming cost."""
         while True:
             if self.chunks:
                 chunk = self.chunks.popleft()
@@ -133,8 +135,19 @@ class _Conn(asyncio.Protocol):
                 return None
             if self.lost is not None:
                 raise self.lost
-            self.wakeup = asyncio.get_running_loop().create_future()
-            await self.wakeup
+            loop = asyncio.get_running_loop()
+            wakeup = self.wakeup = loop.create_future()
+            timer = loop.call_later(timeout, _expire, wakeup) if timeout is not None else None
+            try:
+                await wakeup
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+
+def _expire(wakeup: asyncio.Future[None]) -> None:
+    if not wakeup.done():
+        wakeup.set_exception(httpx.ReadTimeout("replica sent nothing in time"))
 
 
 class _Body(httpx.AsyncByteStream):
@@ -143,13 +156,10 @@ class _Body(httpx.AsyncByteStream):
         self.released = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        # read_timeout is read on every chunk: the relay shortens it once the first token is in.
         conn = self.conn
         while True:
-            try:
-                async with asyncio.timeout(self.read_timeout):
-                    chunk = await conn.next_chunk()
-            except TimeoutError:
-                raise httpx.ReadTimeout("replica sent nothing in time") from None
+            chunk = await conn.next_chunk(self.read_timeout)
             if chunk is None:
                 return
             yield chunk
