@@ -66,7 +66,7 @@ class ProxyEndpoint:
         headers = _headers(scope)
         rid = scope.get("kvgate.request_id") or request_id(headers.get("x-request-id"))
         exchange = Exchange(send, [])
-        status, replica, tenant, outcome = 0, "-", "-", None
+        status, replica, tenant, outcome, ctx = 0, "-", "-", None, None
         try:
             ctx = await self._prepare(scope, receive, headers, rid, started)
             tenant = ctx.tenant.name
@@ -90,6 +90,8 @@ class ProxyEndpoint:
                 await exchange.error(internal_error())
         finally:
             self._record(rid, status, replica, tenant, started, outcome)
+            if self.rt.tracing.enabled:
+                self._trace(rid, status, replica, tenant, started, outcome, ctx, exchange)
 
     async def _prepare(self, scope: Scope, receive: Receive, headers: dict[str, str], rid: str,
                        started: float) -> RequestContext:
@@ -168,6 +170,21 @@ class ProxyEndpoint:
                 extra.update(prompt_tokens=outcome.usage.prompt_tokens, cached_tokens=outcome.usage.cached_tokens,
                              completion_tokens=outcome.usage.completion_tokens)
             log.info("request", extra=extra)
+
+
+    def _trace(self, rid: str, status: int, replica: str, tenant: str, started: float, outcome: Outcome | None,
+               ctx: RequestContext | None, exchange: Exchange) -> None:
+        usage = outcome.usage if outcome is not None else None
+        cache = next((v.decode() for k, v in exchange.headers if k == b"x-kvgate-cache"), None)
+        self.rt.tracing.record(f"kvgate {self.endpoint}", started, {
+            "kvgate.request_id": rid, "kvgate.endpoint": self.endpoint, "http.response.status_code": status,
+            "kvgate.tenant": tenant, "gen_ai.request.model": ctx.model if ctx else None,
+            "kvgate.replica": replica, "kvgate.cache": cache, "kvgate.stream": ctx.stream if ctx else None,
+            "gen_ai.usage.input_tokens": usage.prompt_tokens if usage else None,
+            "kvgate.cached_tokens": usage.cached_tokens if usage else None,
+            "gen_ai.usage.output_tokens": usage.completion_tokens if usage else None,
+            "kvgate.ttft_ms": round(outcome.ttft_s * 1000, 3) if outcome and outcome.ttft_s else None,
+        }, error=status >= 500)
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .pool import PoolEvents, Replica, ReplicaPool, snapshot
 from .settings import Settings, load_settings
 from .stats import TenantStats
+from .tracing import Tracing
 from .transport import UPSTREAM_HEADERS, LeanTransport
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def _redis(settings: Settings) -> aioredis.Redis | None:
 
 class Runtime:
     def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None,
-                 config_path: str | Path | None = None) -> None:
+                 config_path: str | Path | None = None, span_exporter: Any = None) -> None:
         self.settings = settings
         self.config_path = config_path
         # The network seam: one httpx transport. The hot path calls it directly (an
@@ -62,6 +63,7 @@ class Runtime:
         self.transport = transport or LeanTransport(max_idle_per_origin=settings.pool.max_connections)
         self.client = make_client(settings, self.transport)
         self.metrics = Metrics(lambda: self.pool)
+        self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
                                 events=PoolEvents(on_eject=self._on_eject), transport=self.transport)
         self.policy: RoutingPolicy = make_policy(settings.routing)
@@ -109,6 +111,7 @@ class Runtime:
         if self.redis is not None:
             await self.redis.aclose()
         await self.client.aclose()
+        self.tracing.shutdown()
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """A background task the runtime keeps a reference to (and cancels at stop)."""

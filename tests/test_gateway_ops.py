@@ -68,3 +68,25 @@ def test_no_key_and_no_prompt_text_in_logs(caplog: pytest.LogCaptureFixture) -> 
             assert needle not in logged
     finally:
         stack.close()
+
+
+def test_a_span_per_request_with_usage_and_no_secrets() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    stack = start_stack(1, span_exporter=exporter, tenants=[{"name": "acme", "api_keys": ["sk-span-secret"]}])
+    try:
+        client = openai.OpenAI(base_url=stack.base_url, api_key="sk-span-secret", max_retries=0)
+        list(client.chat.completions.create(model=MODEL, stream=True, max_tokens=4,
+                                            messages=[{"role": "user", "content": "span-private-text"}]))
+        assert stack.wait_for(lambda: len(exporter.get_finished_spans()) == 1)
+        span = exporter.get_finished_spans()[0]
+        attrs = dict(span.attributes or {})
+        assert attrs["kvgate.tenant"] == "acme" and attrs["kvgate.replica"] == "r1"
+        assert attrs["gen_ai.request.model"] == MODEL and attrs["gen_ai.usage.output_tokens"] == 4
+        assert attrs["gen_ai.usage.input_tokens"] > 0 and attrs["kvgate.ttft_ms"] > 0
+        assert attrs["http.response.status_code"] == 200
+        flat = repr(attrs) + span.name
+        assert "sk-span-secret" not in flat and "span-private-text" not in flat
+    finally:
+        stack.close()
