@@ -65,14 +65,17 @@ _SCHEMAS: dict[str, Any] = {
         "semantic_cache": {"type": "boolean"},
         "requests_per_minute": {"type": "integer", "minimum": 1, "nullable": True},
         "tokens_per_minute": {"type": "integer", "minimum": 1, "nullable": True},
-        "normalize_tools": {"type": "boolean"}, "issue_key": {"type": "boolean"}}},
+        "normalize_tools": {"type": "boolean"}, "sort_tools": {"type": "boolean"},
+        "prompt_hygiene": {"type": "boolean"}, "issue_key": {"type": "boolean"}}},
     "TenantPatch": {"type": "object", "additionalProperties": False, "properties": {
         "namespace": {**_NAME, "nullable": True},
         "models": {"type": "array", "items": {"type": "string"}, "nullable": True},
         "semantic_cache": {"type": "boolean", "nullable": True},
         "requests_per_minute": {"type": "integer", "minimum": 1, "nullable": True},
         "tokens_per_minute": {"type": "integer", "minimum": 1, "nullable": True},
-        "normalize_tools": {"type": "boolean", "nullable": True}}},
+        "normalize_tools": {"type": "boolean", "nullable": True},
+        "sort_tools": {"type": "boolean", "nullable": True},
+        "prompt_hygiene": {"type": "boolean", "nullable": True}}},
     "KeyIn": {"type": "object", "additionalProperties": False, "properties": {
         "rotate": {"type": "boolean"}, "key_id": {"type": "string", "maxLength": 64, "nullable": True}}},
 }

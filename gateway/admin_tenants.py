@@ -39,6 +39,8 @@ def tenant_routes(rt: Runtime, g: Callable[[Handler], Handler], read_json: Any) 
         requests_per_minute: int | None = Field(None, ge=1, le=10_000_000)
         tokens_per_minute: int | None = Field(None, ge=1, le=10_000_000_000)
         normalize_tools: bool = False
+        sort_tools: bool = False
+        prompt_hygiene: bool = True
         issue_key: bool = True
 
     class TenantPatch(_Body):
@@ -48,6 +50,8 @@ def tenant_routes(rt: Runtime, g: Callable[[Handler], Handler], read_json: Any) 
         requests_per_minute: int | None = Field(None, ge=1, le=10_000_000)
         tokens_per_minute: int | None = Field(None, ge=1, le=10_000_000_000)
         normalize_tools: bool | None = None
+        sort_tools: bool | None = None
+        prompt_hygiene: bool | None = None
 
     class KeyIn(_Body):
         rotate: bool = False

@@ -105,6 +105,9 @@ class ProxyEndpoint:
                               deadline_s=rt.settings.timeouts.body_receive_s)
         body = parse_json(raw, max_depth=limits.max_json_depth)
         model = validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
+        if rt.settings.log_prompts and log.isEnabledFor(logging.DEBUG):
+            # Only with log_prompts: true AND debug level, both set on purpose by an operator.
+            log.debug("request body", extra={"request_id": rid, "body": body})
         stream = bool(body.get("stream")) and self.endpoint != "embeddings"
         so = body.get("stream_options")
         include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
