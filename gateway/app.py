@@ -87,14 +87,14 @@ class KvgateApp:
         if scope["type"] == "http":
             await self.http(scope, receive, send)
         else:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send)  # type: ignore[arg-type]
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self.endpoints.get(scope["path"]) if scope["method"] == "POST" else None
         if endpoint is not None:
             await endpoint(scope, receive, send)
         else:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send)  # type: ignore[arg-type]
 
 
 def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path: str | None = None,

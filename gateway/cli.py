@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from . import logs
 from .settings import ConfigError, load_settings
@@ -21,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure(settings.log_level)
     app = build_app(settings, config_path=args.config)
     t = settings.timeouts
-    opts = {"header_timeout_s": t.header_receive_s, "grace_s": settings.shutdown_grace_s}
+    opts: dict[str, Any] = {"header_timeout_s": t.header_receive_s, "grace_s": settings.shutdown_grace_s}
     servers = [make_server(app, settings.listen.host, settings.listen.port, **opts)]
     admin = _admin_app(app)
     if admin is not None and settings.admin.enabled:

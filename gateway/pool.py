@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import httpx
 
@@ -332,12 +332,12 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
         setattr(replica, attr, value)
 
 
-def snapshot(pool: ReplicaPool) -> list[dict[str, object]]:
+def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:
     """A read-only view for /readyz, the admin API and the status page."""
     now = pool.clock()
     rows = []
     for r in pool.replicas.values():
-        hit = (r.prefix_hits / r.prefix_queries) if r.prefix_queries else None
+        hit = ((r.prefix_hits or 0.0) / r.prefix_queries) if r.prefix_queries else None
         rows.append({
             "name": r.name, "url": r.url, "models": sorted(r.models), "healthy": r.healthy,
             "available": r.available(now), "draining": r.draining, "ejected": r.ejected(now),

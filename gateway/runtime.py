@@ -204,9 +204,9 @@ class Runtime:
         for name, r in list(self.pool.replicas.items()):
             if r.source == "config" and name not in wanted:
                 self.pool.remove(name)
-        for name, r in wanted.items():
+        for name, spec in wanted.items():
             if name not in self.pool.replicas:
-                self.pool.add(name, r.url, weight=r.weight, models=r.models)
+                self.pool.add(name, spec.url, weight=spec.weight, models=spec.models)
         self.settings = self.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
                                                          "timeouts": new.timeouts})
         self.policy = make_policy(new.routing)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import orjson
@@ -79,7 +79,8 @@ async def open_upstream(
     last_error: GatewayError | None = None
     budget_held = 0
     try:
-        for attempt_no, replica in enumerate(order[: call.max_attempts]):
+        for attempt_no, view in enumerate(order[: call.max_attempts]):
+            replica = cast(Replica, view)  # the pool hands policies its own Replica objects
             if attempt_no > 0:
                 if not pool.budget.try_acquire(pool.active_requests):
                     break
