@@ -21,7 +21,7 @@ from routing import RouteFeedback, RouteRequest
 from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_body, request_id, \
     run_unless_disconnected
 from . import stages
-from .errors import BadRequest, GatewayError, internal_error
+from .errors import BadRequest, GatewayError, UpstreamError, UpstreamTimeout, internal_error
 from .relay import Outcome, relay_stream, relay_whole
 from .sse import StreamObserver
 from .transport import UPSTREAM_HEADERS
@@ -140,7 +140,13 @@ class ProxyEndpoint:
             response = attempt.response
             if response.status_code != 200:
                 raise await read_error_body(response, replica)
-            outcome = await self._relay(ctx, exchange, attempt.response)
+            try:
+                outcome = await self._relay(ctx, exchange, attempt.response)
+            except (UpstreamError, UpstreamTimeout):
+                # The replica failed us before the first byte (garbage, text/html, silence):
+                # that counts towards ejection, as Envoy counts the 502/504s it generates itself.
+                rt.pool.record_failure(replica)
+                raise
             rt.pool.record_success(replica) if outcome.failure is None else rt.pool.record_failure(replica)
             rt.policy.observe(route, RouteFeedback(
                 replica.name, outcome.usage.prompt_tokens if outcome.usage else None,

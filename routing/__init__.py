@@ -7,11 +7,15 @@ orders replicas by bounded-load rendezvous hashing (``routing.prefix_affinity``)
 
 What the gateway calls:
 
-* ``make_policy(settings)`` once at start-up;
+* ``make_policy(settings)`` once at start-up (one instance per process; it
+  keeps a bounded popularity estimate, block index and load average);
 * ``policy.prefer(RouteRequest(...), eligible)`` per request, with the body as
-  the client sent it (``cache_control`` breakpoints are routing hints);
-* ``strip_cache_control(body)`` for the body it forwards (vLLM rejects the key);
-* ``policy.observe(request, RouteFeedback(...))`` after each served request;
+  the client sent it (``cache_control`` breakpoints are routing hints) and the
+  ``x-kvgate-cache-boundary`` header as ``boundary_hint``;
+* ``strip_cache_control(body)`` for the body it forwards (vLLM rejects the key;
+  pure, returns the same object when there is nothing to strip);
+* ``policy.observe(request, RouteFeedback(...))`` after each served request,
+  with the same ``RouteRequest`` object (its ``scratch`` holds the hashes);
 * ``resolve(name, port)`` to turn a headless-service name into replica URLs.
 """
 

@@ -48,8 +48,9 @@ class RouteRequest:
     model: str
     namespace: str  # tenant cache namespace (the cache_salt seed)
     body: dict[str, Any]
-    # Explicit stable-prefix boundary from a request header, in characters of the
-    # rendered prefix, when the client gave one.
+    # Explicit stable-prefix boundary from the ``x-kvgate-cache-boundary`` header,
+    # when the client gave one: the number of leading messages that are stable
+    # (``routing.boundary.parse_boundary_hint``; anything else is ignored).
     boundary_hint: str | None = None
     # Filled in lazily by prefix policies; cached here so hashing happens once.
     scratch: dict[str, Any] = field(default_factory=dict)

@@ -13,8 +13,14 @@ class _Section(BaseModel):
 
 class RoutingSettings(_Section):
     policy: Literal["prefix_affinity", "least_load", "round_robin", "consistent_hash"] = "prefix_affinity"
-    # Bounded load: skip a replica whose load exceeds (1 + epsilon) x mean.
+    # Bounded load: skip a replica whose load exceeds (1 + epsilon) x mean. Judged on
+    # the replicas' scraped load averaged over load_average_s (the view every gateway
+    # instance shares, so they move a key together) ...
     epsilon: float = Field(0.25, ge=0, le=10)
+    load_average_s: float = Field(30.0, ge=0)
+    # ... and, on the instantaneous load (with this instance's in-flight), skip a
+    # replica swamped right now: past (1 + burst_epsilon) x mean.
+    burst_epsilon: float = Field(1.0, ge=0, le=10)
     # Characters per routing block (about 16 tokens of 4 characters, as llm-d does).
     block_chars: int = Field(64, ge=8, le=4096)
     # Literal text that marks the end of the stable prefix when a client places it.
@@ -24,11 +30,9 @@ class RoutingSettings(_Section):
     # Block-index capacity (entries across replicas), LRU. The popularity
     # estimate keeps a quarter of this many keys.
     index_capacity: int = Field(200_000, ge=1000)
-    # A prefix is "hot" (too much traffic to key one replica on) when it carries
-    # more than hot_fraction / replicas of the requests; the key then goes deeper.
-    hot_fraction: float = Field(0.25, gt=0, le=1)
-    # Spacing, in blocks, of the cut points a key may sit on inside a long message.
-    key_grid_blocks: int = Field(4, ge=1, le=1024)
+    # A prefix carried by more than hot_fraction / replicas of the requests is "wide"
+    # (more than one replica's share at 1.0): the routing key goes deeper than it.
+    hot_fraction: float = Field(1.0, gt=0, le=1)
     # A replica the index believes holds a deeper prefix than the rendezvous first
     # choice goes first only if it is deeper by at least this many characters
     # (and by half again): small gains do not justify diverging from other instances.

@@ -124,19 +124,22 @@ class GenerationEndpoint:
         async with self.replica.engine.generate(request) as gen:
             await sender.start(200, b"text/event-stream", [(b"cache-control", b"no-cache"),
                                                             (b"x-accel-buffering", b"no")])
+            # Like vLLM, the role chunk goes out with the first token (after prefill),
+            # not with the headers: a replica that never produces a token sends no event.
             opening = fmt.opening()
-            if opening:
-                await sender.body(opening)
             sent = 0
             async for ev in gen:
                 if faults.die_after_tokens is not None and sent >= faults.die_after_tokens:
                     return  # leaving mid-body makes uvicorn close the connection: no [DONE]
-                await sender.body(fmt.token(ev))
+                await sender.body(opening + fmt.token(ev))
+                opening = b""
                 sent += 1
                 if faults.garbage and sent == 1:
                     await sender.body(_GARBAGE_EVENT)
                 if faults.stall_mid_stream_s and sent == faults.stall_after_tokens:
                     await asyncio.sleep(faults.stall_mid_stream_s)
+            if opening:
+                await sender.body(opening)
             if fmt.with_usage:
                 await sender.body(fmt.usage_event(gen))
             await sender.body(wire.DONE, more=False)

@@ -1,0 +1,198 @@
+"""Routing benchmark: every workload through every policy over a simulated vLLM fleet.
+
+    .venv/bin/python -m bench.routing            # full run (a few minutes on 2 cores)
+    .venv/bin/python -m bench.routing --quick    # smoke test (seconds)
+
+One process, discrete-event (``bench.routing_sim``): N replicas with the
+simulator's own KV pool and timing model, finite KV pools (``--kv-tokens``,
+or ``--large-kv`` for caches that never evict), and arrival rates set so the
+fleet is under real load: for each workload the rate is chosen so that the
+engine work at the *ideal* hit ratio would keep ``--load`` of the fleet busy
+(a policy reusing less than ideal is busier than that, possibly overloaded).
+
+Printed per workload: fleet prefix-cache hit ratio (tokens), that as a
+fraction of the ideal (one infinite cache replaying the same requests),
+TTFT p50/p95, output throughput, max/mean time-averaged replica load, the
+share of follow-up turns sent to the replica that served the previous turn,
+agreement between independent gateway instances, and the mean routing cost
+per request. Also: key movement when one of 8 replicas leaves. A PNG goes to
+``bench/out/routing.png`` and the numbers to ``bench/out/routing.json``.
+
+Workload replay is separate from the simulator: ``bench.routing_replay``
+drives the same requests through any async ``send(request) -> usage``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from routing import RoutingSettings
+from routing.consistent_hash import ConsistentHash
+from routing.keys import PrefixKeyer
+from routing.least_load import LeastLoad
+from routing.membership import key_movement
+from routing.prefix_affinity import PrefixAffinity
+from routing.round_robin import RoundRobin
+from routing.base import RouteRequest
+
+from .routing_baselines import KubeAICHWBL, LLMDScorers, SGLangCacheAware
+from .routing_report import Row, WorkloadReport, format_table, plot, write_json
+from .routing_sim import PolicyFactory, SimSettings, simulate
+from .workloads import Workload, mooncake, mtbench, shared_prefix, twin, unique
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = ROOT.parent / "shared" / "data"
+
+POLICIES: dict[str, PolicyFactory] = {
+    "round_robin": lambda clock: RoundRobin(),
+    "least_load": lambda clock: LeastLoad(),
+    "consistent_hash": lambda clock: ConsistentHash(RoutingSettings()),
+    "sglang_cache_aware": lambda clock: SGLangCacheAware(),
+    "llm-d": lambda clock: LLMDScorers(),
+    "kubeai_chwbl": lambda clock: KubeAICHWBL(),
+    "prefix_affinity": lambda clock: PrefixAffinity(RoutingSettings(), clock),
+}
+# Policies also run as several independent gateway instances (no shared state).
+MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity")
+
+
+def build_workloads(args: argparse.Namespace) -> list[Workload]:
+    q = args.quick
+    makers = {
+        "twin": lambda: twin.build(n_requests=120 if q else 1200, rate=1.0),
+        "mtbench": lambda: mtbench.build(args.data, rate=1.0, limit=60 if q else None),
+        "mooncake": lambda: mooncake.build(args.data, minutes=1.0 if q else args.mooncake_minutes),
+        "shared_prefix": lambda: shared_prefix.build(groups=16 if q else 64, per_group=8 if q else 48, rate=1.0),
+        "unique": lambda: unique.build(n_requests=150 if q else 1500, rate=1.0),
+    }
+    return [makers[name]() for name in args.workloads]
+
+
+def ideal_hit_ratio(w: Workload, block: int = 16) -> float:
+    """Hit ratio of one infinite cache replaying the requests in order (vLLM's reuse rule)."""
+    seen: set[bytes] = set()
+    hit = total = 0
+    for r in w.requests:
+        m = 0
+        for h in r.kv_hashes:
+            if h not in seen:
+                break
+            m += 1
+        hit += min(m, max(0, (r.prompt_tokens - 1) // block)) * block
+        total += r.prompt_tokens
+        seen.update(r.kv_hashes)
+    return hit / total if total else 0.0
+
+
+def calibrate(w: Workload, ideal: float, settings: SimSettings, load: float) -> float:
+    """Scale arrivals so engine work at the ideal hit ratio keeps ``load`` of the fleet busy.
+
+    Work per request: prefill of its share of uncached tokens, plus its share
+    of decode steps at a batch of 32. Absolute arrivals are rescaled (for the
+    trace: time compression); closed-loop think times are left alone.
+    """
+    t = settings.timing
+    n = len(w.requests)
+    prefill = sum(t.prefill_time(int(r.prompt_tokens * (1 - ideal))) for r in w.requests) / n
+    decode = sum(r.output_tokens for r in w.requests) / n * t.decode_step_time(32) / 32
+    rate = load * settings.replicas / (prefill + decode)
+    starts = sorted(r.arrival for r in w.requests if r.after is None)
+    if len(starts) < 2:
+        return rate
+    per_start = n / len(starts)  # requests per conversation (1 for open-loop workloads)
+    current = (len(starts) - 1) / (starts[-1] - starts[0]) * per_start
+    factor = current / rate
+    for r in w.requests:
+        if r.after is None:
+            r.arrival = (r.arrival - starts[0]) * factor
+    return rate
+
+
+def movement_note(w: Workload, replicas: int) -> str:
+    """Key movement when one of ``replicas`` leaves: over random keys, and over this workload's requests."""
+    rng = random.Random(replicas)
+    names = [f"r{i}" for i in range(replicas)]
+    keys = [rng.getrandbits(64) for _ in range(20_000)]
+    worst = max(key_movement(keys, names, [n for n in names if n != gone]) for gone in names)
+    keyer = PrefixKeyer(RoutingSettings())
+    routed = [keyer.key_for(RouteRequest(r.endpoint, r.model, r.namespace, r.body()), replicas).key
+              for r in w.requests]
+    worst_requests = max(key_movement(routed, names, [n for n in names if n != gone]) for gone in names)
+    back = key_movement(routed, names, list(reversed(names)))
+    return (f"membership: removing one of {replicas} replicas moves at most {worst:.1%} of 20,000 keys "
+            f"(bound {1 / replicas + 0.05:.1%}) and {worst_requests:.1%} of this workload's requests "
+            f"({len(set(routed))} distinct keys); adding it back restores all ({back:.0%} differ)")
+
+
+def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
+    base = SimSettings(replicas=args.replicas, kv_tokens=args.kv_tokens or w.kv_tokens, seed=args.seed)
+    if args.large_kv:
+        base = replace(base, kv_tokens=1 << 40)
+    ideal = ideal_hit_ratio(w)
+    rate = calibrate(w, ideal, base, args.load)
+    rep = WorkloadReport(w.name, w.description, ideal, rate)
+    for name in args.policies:
+        stats = simulate(w, POLICIES[name], base)
+        rep.rows.append(Row(name, stats, ideal))
+        _progress(w.name, name, stats)
+    for name in (p for p in MULTI if p in args.policies and args.instances > 1):
+        stats = simulate(w, POLICIES[name], replace(base, instances=args.instances,
+                                                     agreement=name == "prefix_affinity"))
+        rep.rows.append(Row(f"{name} x{args.instances}", stats, ideal))
+        _progress(w.name, f"{name} x{args.instances}", stats)
+    if "prefix_affinity" in args.policies and not args.large_kv:
+        stats = simulate(w, POLICIES["prefix_affinity"], replace(base, kv_tokens=1 << 40))
+        rep.rows.append(Row("prefix_affinity, large KV", stats, ideal))
+        _progress(w.name, "prefix_affinity large KV", stats)
+    rep.notes.append(movement_note(w, 8))
+    return rep
+
+
+def _progress(workload: str, label: str, stats) -> None:
+    print(f"  [{workload}] {label}: hit {stats.hit_ratio:.3f}, p95 {stats.ttft(0.95):.2f}s "
+          f"({stats.wall_s:.1f}s)", file=sys.stderr, flush=True)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.routing", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="shared data folder (default ../shared/data)")
+    p.add_argument("--quick", action="store_true", help="small workloads: a smoke test in seconds")
+    p.add_argument("--workloads", nargs="+", default=["twin", "mtbench", "mooncake", "shared_prefix", "unique"])
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--instances", type=int, default=4, help="gateway instances for the multi-instance rows")
+    p.add_argument("--load", type=float, default=0.7, help="fleet utilisation at the ideal hit ratio")
+    p.add_argument("--kv-tokens", type=int, default=0, help="KV pool per replica in tokens (default 1Mi)")
+    p.add_argument("--large-kv", action="store_true", help="KV pools large enough never to evict")
+    p.add_argument("--mooncake-minutes", type=float, default=10.0, help="trace prefix to replay")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    started = time.perf_counter()
+    reports = []
+    for name in args.workloads:
+        print(f"building {name} ...", file=sys.stderr, flush=True)
+        (w,) = build_workloads(argparse.Namespace(**{**vars(args), "workloads": [name]}))
+        reports.append(run_workload(w, args))
+        del w
+    print(format_table(reports))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(reports, args.out / "routing.json")
+    if not args.no_plot:
+        plot(reports, args.out / "routing.png")
+    print(f"\n({time.perf_counter() - started:.0f}s; plot {args.out / 'routing.png'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

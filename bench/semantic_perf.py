@@ -1,0 +1,269 @@
+"""How fast is the semantic cache? Latency, index scaling, embedding throughput, memory.
+
+Sections (``--only`` picks some):
+
+* ``exact``    exact-tier hit latency through ``SemanticCache.lookup`` (no embedding);
+* ``semantic`` semantic-tier hit and miss latency through ``SemanticCache.lookup``,
+               real all-MiniLM-L6-v2, embedding included;
+* ``index``    ``VectorIndex.search`` p50/p99 at 10K and 100K entries (1M with
+               ``--million``): random unit vectors, dim 384, one partition;
+* ``embed``    embedding throughput: one text per call vs micro-batched concurrent calls;
+* ``memory``   bytes per entry: index (RSS delta) and Redis (``MEMORY USAGE``).
+
+``--redis-url`` runs the cache sections on Redis (default: in-process store).
+``--gateway-url`` measures end to end through a running kvgate instead (an
+OpenAI-compatible ``/v1/chat/completions``; the first request is a miss, the
+repeats are exact hits, the paraphrases semantic hits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import time
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from semantic_cache import (CachedAnswer, HashEmbedder, LocalEmbedder, SemanticCache, SemanticCacheSettings,
+                            cache_request)
+from semantic_cache.index import VectorIndex
+
+QUESTIONS = [
+    "How do I reset my router password?", "What are some tips for learning French?",
+    "How can I make my laptop battery last longer?", "What is the capital city of Australia?",
+    "How do I remove a stripped screw?",
+    "What causes the northern lights?",
+    "How do I clean a cast iron pan?", "Why is the sky blue?",
+    "How do I export a spreadsheet to PDF?", "What is a good stretching routine for runners?",
+]
+PARAPHRASES = [
+    "how can I reset my router password", "What are tips to learn French?",
+    "How do I make my laptop's battery last longer?", "what is the capital city of australia",
+    "how can I remove a stripped screw", "what causes the northern lights",
+    "How can I clean a cast iron pan?", "why is the sky blue", "How can I export a spreadsheet to PDF?",
+    "What is a good stretching routine for runners", ]
+
+
+def pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.array(samples), q))
+
+
+def row(name: str, samples_s: list[float]) -> str:
+    ms = [x * 1000 for x in samples_s]
+    return (f"{name:<44} n={len(ms):>6}  p50 {pct(ms, 50):8.3f} ms  p99 {pct(ms, 99):8.3f} ms  "
+            f"mean {statistics.fmean(ms):8.3f} ms")
+
+
+def req(namespace: str, text: str, s: SemanticCacheSettings):  # type: ignore[no-untyped-def]
+    body = {"model": "perf", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": text}]}
+    return cache_request("chat", namespace, body, {}, settings=s)
+
+
+async def timed_many(fn: Callable[[], Awaitable[Any]], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def bench_exact(args: argparse.Namespace) -> None:
+    s = SemanticCacheSettings(enabled=True, embedder="hash", key_prefix="kvgate:sc:perf:")
+    cache = await SemanticCache.open(s, args.redis_url)
+    await cache.wait_ready(30)
+    r = req("perf", QUESTIONS[0], s)
+    await cache.store(r, CachedAnswer("answer", "stop", "perf"))
+    await timed_many(lambda: cache.lookup(r), 200)  # warm-up
+    samples = await timed_many(lambda: cache.lookup(r), args.n)
+    print(row(f"exact hit ({'redis' if args.redis_url else 'memory'})", samples))
+    await cache.purge(namespace="perf")
+    await cache.aclose()
+    await drop_log(args)
+
+
+async def bench_semantic(args: argparse.Namespace, embedder: LocalEmbedder) -> None:
+    s = SemanticCacheSettings(enabled=True, key_prefix="kvgate:sc:perf:")
+    cache = await SemanticCache.open(s, args.redis_url, embedder=embedder)
+    await cache.wait_ready(60)
+    for q in QUESTIONS:
+        await cache.store(req("perf", q, s), CachedAnswer("answer", "stop", "perf"))
+    hits, misses, kinds = [], [], set()
+    for i in range(args.n_semantic):
+        para = PARAPHRASES[i % len(PARAPHRASES)]
+        t0 = time.perf_counter()
+        result = await cache.lookup(req("perf", para, s))
+        hits.append(time.perf_counter() - t0)
+        kinds.add((result.status, result.tier))
+        t0 = time.perf_counter()
+        await cache.lookup(req("perf", f"Completely unrelated question number {i} about gardening?", s))
+        misses.append(time.perf_counter() - t0)
+    print(row(f"semantic hit, embedding included {sorted(kinds)}", hits))
+    print(row("semantic miss, embedding included", misses))
+    await cache.purge(namespace="perf")
+    await cache.aclose()
+    await drop_log(args)
+
+
+async def drop_log(args: argparse.Namespace) -> None:
+    """The change log outlives a purge (other instances may still be reading it); a bench cleans it."""
+    if args.redis_url:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(args.redis_url)
+        await client.delete("kvgate:sc:perf:log")
+        await client.aclose()
+
+
+def control_tail(args: argparse.Namespace) -> None:
+    """The machine's own tail: a fixed ~0.2 ms of CPU work, timed like a search."""
+    a = np.random.default_rng(1).normal(size=(2000, 384)).astype(np.float32)
+    v = a[0]
+    samples = []
+    for _ in range(args.n):
+        t0 = time.perf_counter()
+        _ = a @ v
+        samples.append(time.perf_counter() - t0)
+    print(row("control: fixed CPU work (2000x384 matvec)", samples) + f"  load avg {os.getloadavg()[0]:.2f}")
+
+
+def bench_index(args: argparse.Namespace) -> None:
+    control_tail(args)
+    sizes = [10_000, 100_000] + ([1_000_000] if args.million else [])
+    rng = np.random.default_rng(0)
+    for n in sizes:
+        vecs = rng.normal(size=(n, 384)).astype(np.float32)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        index = VectorIndex()
+        rss0 = rss_bytes()
+        t0 = time.perf_counter()
+        index.add_many("p", [f"id{i}" for i in range(n)], vecs, [""] * n)
+        build = time.perf_counter() - t0
+        per_entry = (rss_bytes() - rss0) / n
+        queries = rng.normal(size=(args.n, 384)).astype(np.float32)
+        queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+        samples = []
+        for q in queries:
+            t0 = time.perf_counter()
+            index.search("p", q, 3, 0.0)
+            samples.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(200):
+            index.add("p", f"extra{i}", queries[i % len(queries)], "")
+        add_ms = (time.perf_counter() - t0) / 200 * 1000
+        print(row(f"index search k=3 @ {n:,}", samples)
+              + f"  build {build:6.1f}s  add {add_ms:.3f} ms  ~{per_entry:,.0f} B/entry (RSS)")
+        del index, vecs
+
+
+async def bench_embed(args: argparse.Namespace, embedder: LocalEmbedder) -> None:
+    texts = [f"{QUESTIONS[i % len(QUESTIONS)]} (variant {i})" for i in range(args.n_embed)]
+    t0 = time.perf_counter()
+    for t in texts:
+        await embedder.embed([t])
+    single = time.perf_counter() - t0
+    batches0 = embedder.batcher.batches
+    t0 = time.perf_counter()
+    await asyncio.gather(*[embedder.embed([t]) for t in texts])
+    batched = time.perf_counter() - t0
+    nb = embedder.batcher.batches - batches0
+    print(f"{'embedding, one call at a time':<44} {len(texts) / single:8.0f} texts/s")
+    print(f"{'embedding, concurrent calls micro-batched':<44} {len(texts) / batched:8.0f} texts/s "
+          f"({nb} batches, mean {len(texts) / max(nb, 1):.1f} texts/batch)")
+
+
+async def bench_memory(args: argparse.Namespace) -> None:
+    if not args.redis_url:
+        print("redis bytes/entry: skipped (no --redis-url)")
+        return
+    import redis.asyncio as aioredis
+
+    s = SemanticCacheSettings(enabled=True, key_prefix="kvgate:sc:perfmem:")
+    cache = await SemanticCache.open(s, args.redis_url, embedder=HashEmbedder(dim=384))  # MiniLM's size
+    await cache.wait_ready(30)
+    r = req("perfmem", QUESTIONS[0], s)
+    answer = CachedAnswer("A typical answer of a few sentences. " * 8, "stop", "perf", 40, 80, 1)
+    await cache.store(r, answer)
+    client = aioredis.Redis.from_url(args.redis_url)
+    usage = await client.memory_usage(f"kvgate:sc:perfmem:e:{r.exact_key}", samples=0)
+    print(f"{'redis bytes per entry (384-d vector, ' + str(len(answer.content)) + '-char answer)':<44} "
+          f"{usage:8,} B")
+    await cache.purge(namespace="perfmem")
+    await cache.aclose()
+    await client.delete("kvgate:sc:perfmem:log")
+    await client.aclose()
+
+
+async def bench_gateway(args: argparse.Namespace) -> None:
+    import httpx
+
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.gateway_url, headers=headers, timeout=60) as client:
+        async def ask(text: str) -> None:
+            body = {"model": args.model, "messages": [{"role": "user", "content": text}], "max_tokens": 32}
+            (await client.post("/v1/chat/completions", json=body)).raise_for_status()
+
+        for q in QUESTIONS:
+            await ask(q)  # misses: fill the cache
+        exact = await timed_many(lambda: ask(QUESTIONS[0]), args.n_semantic)
+        para = [PARAPHRASES[i % len(PARAPHRASES)] for i in range(args.n_semantic)]
+        it = iter(para)
+        semantic = await timed_many(lambda: ask(next(it)), len(para))
+    print(row("gateway end to end, exact hit", exact))
+    print(row("gateway end to end, semantic hit (or miss)", semantic))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def run(args: argparse.Namespace) -> None:
+    only = set(args.only.split(",")) if args.only else {"exact", "semantic", "index", "embed", "memory"}
+    print(f"cores {os.cpu_count()}, peak RSS so far {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB")
+    if args.gateway_url:
+        await bench_gateway(args)
+        return
+    if "exact" in only:
+        await bench_exact(args)
+    embedder = None
+    if only & {"semantic", "embed"}:
+        embedder = LocalEmbedder(batch_max=32, threads=args.threads)
+        await embedder.start()
+    if "semantic" in only and embedder is not None:
+        await bench_semantic(args, embedder)
+    if "embed" in only and embedder is not None:
+        await bench_embed(args, embedder)
+    if embedder is not None:
+        await embedder.aclose()
+    if "memory" in only:
+        await bench_memory(args)
+    if "index" in only:
+        bench_index(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--redis-url", help="run the cache on this Redis (default: in-process store)")
+    parser.add_argument("--only", help="comma-separated sections: exact,semantic,index,embed,memory")
+    parser.add_argument("--n", type=int, default=5000, help="samples for exact and index latency")
+    parser.add_argument("--n-semantic", type=int, default=300, help="samples for semantic latency")
+    parser.add_argument("--n-embed", type=int, default=512, help="texts for the throughput test")
+    parser.add_argument("--million", action="store_true", help="also build a 1M-entry index (minutes, ~2.5 GB)")
+    parser.add_argument("--threads", type=int, default=SemanticCacheSettings().embed_threads,
+                        help="torch threads for the model")
+    parser.add_argument("--gateway-url", help="measure end to end through a running kvgate instead")
+    parser.add_argument("--api-key", help="tenant key for --gateway-url")
+    parser.add_argument("--model", default="perf", help="model name for --gateway-url")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""From a request to its routing key: the shallowest prefix that one replica can own.
+
+The prefix is a tree: every request shares the global instructions, an
+organisation shares its policies, a digital twin its profile, a conversation
+its first turn. Keying deep (the whole stable prefix) spreads well but loses
+what siblings share; keying shallow shares more but a prefix carried by more
+traffic than one replica serves cannot live on one replica. So the key is the
+hash of the prefix ending at the *shallowest* candidate cut
+(``routing.boundary``: message ends, explicit boundaries, sampled block
+positions, up to the first user turn) that is *not wide*, where wide means
+carrying more than ``hot_fraction / replicas`` of the requests:
+
+* a system prompt in every request (the Mooncake trace's first 512 tokens, an
+  application's global instructions) is wide: the key goes past it, to the
+  conversation's first user turn, which stays constant for all its turns;
+* an organisation with a twelfth of the traffic is not wide: its twins share
+  a home and meet its 16K tokens of policies, agent and tool schemas warm;
+* if every cut up to the cap is wide, the deepest one keys the request.
+
+Shares are learned per instance (``routing.hotness``); a prefix in every
+request or in one conversation is classified the same way everywhere, which is
+all instances need to agree. The threshold is a whole replica's share of
+traffic by default, far from what conversations and typical tenants carry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .base import RouteRequest
+from .block_index import sampled_positions
+from .boundary import candidate_cuts, explicit_cuts
+from .hashing import Rendered, chain_hashes, cut_hash, prefix_seed, render
+from .hotness import Popularity
+from .settings import RoutingSettings
+
+__all__ = ["PrefixInfo", "RouteKey", "analyse", "PrefixKeyer"]
+
+_SCRATCH_INFO = "kvgate.prefix"
+_SCRATCH_KEY = "kvgate.key"
+# A prefix must be seen this many times within the window before it can be
+# wide: a burst of turns from one conversation never qualifies.
+_WIDE_MIN_COUNT = 8
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixInfo:
+    rendered: Rendered
+    seed: int
+    hashes: list[int]
+    explicit: list[int]
+    limit: int  # bytes a key may cover (hashed blocks, plus a partial last block)
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteKey:
+    key: int  # hash of the exact prefix data[:cut]
+    cut: int  # bytes of prefix the key covers
+    wide: int  # how many shallower cuts were wide (0: the first cut keys the request)
+
+
+def analyse(request: RouteRequest, settings: RoutingSettings) -> PrefixInfo:
+    """Render and hash ``request`` once; later calls with the same settings reuse the result."""
+    tag = (settings.block_chars, settings.max_blocks, settings.boundary_marker)
+    cached = request.scratch.get(_SCRATCH_INFO)
+    if cached is not None and cached[0] == tag:
+        return cached[1]
+    rendered = render(request.endpoint, request.body)
+    seed = prefix_seed(request.model, request.namespace)
+    block = settings.block_chars
+    hashes = chain_hashes(rendered.data, seed, block, settings.max_blocks)
+    limit = len(rendered.data) if len(rendered.data) // block <= len(hashes) else len(hashes) * block
+    explicit = explicit_cuts(rendered, settings.boundary_marker, request.boundary_hint)
+    info = PrefixInfo(rendered, seed, hashes, explicit, limit, block)
+    request.scratch[_SCRATCH_INFO] = (tag, info)
+    return info
+
+
+class PrefixKeyer:
+    """Chooses routing keys; owns the per-instance popularity estimate."""
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        self.settings = settings
+        self.popularity = Popularity(max(1000, settings.index_capacity // 4))
+        self._positions = sampled_positions(settings.max_blocks)
+
+    def key_for(self, request: RouteRequest, replicas: int, learn: bool = True) -> RouteKey:
+        """The request's routing key in a fleet of ``replicas``.
+
+        With ``learn`` (the default) the request counts towards popularity, once
+        per request however often it is asked; ``learn=False`` is a side-effect
+        free peek (what this instance would do, used to measure agreement).
+        """
+        cached = request.scratch.get(_SCRATCH_KEY)
+        if cached is not None and cached[0] is self:
+            return cached[1]
+        info = analyse(request, self.settings)
+        n = max(replicas, 1)
+        wide_share = self.settings.hot_fraction / n
+        window = max(64, math.ceil(_WIDE_MIN_COUNT / wide_share))
+        data, hashes, seed, block = info.rendered.data, info.hashes, info.seed, info.block
+        cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, self._positions)
+        keys = [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c) for c in cuts]
+        chosen = RouteKey(seed, 0, 0)
+        if keys:
+            shares = self.popularity.shares(keys, window)
+            i = next((j for j, share in enumerate(shares) if share <= wide_share), len(keys) - 1)
+            chosen = RouteKey(keys[i], cuts[i], i)
+        if learn:
+            # Every cut is counted, not only the walked ones: a deeper prefix's share
+            # must be known from the start, or it would lag behind its parent's.
+            self.popularity.tick()
+            self.popularity.record_all(keys)
+            request.scratch[_SCRATCH_KEY] = (self, chosen)
+        return chosen

@@ -1,0 +1,191 @@
+"""Prefix affinity: kvgate's default policy.
+
+Three layers, each with one job:
+
+1. **Key** (``routing.keys``): the shallowest prefix of the request that one
+   replica can own (not carried by more than a replica's share of traffic).
+   Requests that share it share a key: a conversation's turns, a tenant's
+   or an organisation's requests behind a global system prompt.
+2. **Order** (``routing.rendezvous``): the key's rendezvous order over the
+   eligible replicas, with bounded load. A replica is skipped (moved to the
+   back) when its time-averaged *shared* load (scraped running + waiting) is
+   past (1 + epsilon) x mean, or its load right now (with this instance's
+   in-flight) is past (1 + burst_epsilon) x mean. The averaged view is the
+   same on every gateway instance, so they move a key off an overloaded
+   replica together; the instantaneous check only stops a pile-up.
+3. **Follow** (``routing.block_index``): if the first choice is not known to
+   hold the key's prefix but another replica within the bound is (the key
+   spilled there under load, or membership changed), that replica goes first;
+   if the first choice holds it, only a *clearly* deeper prefix elsewhere (at
+   least ``index_min_gain_chars`` and half again deeper: a conversation that
+   spilled on its last turn) moves the request. A shallower shared prefix
+   elsewhere never overrides the key. This instance learned all that from its
+   own traffic, so it only ever *adds* stickiness on top of the order every
+   instance computes alike.
+
+``observe`` teaches the index (the replica now holds the prompt and its key)
+and tracks, per replica, how well the index predicted the replica's reported
+``cached_tokens``: a replica that keeps evicting what the index believes it
+holds is not followed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from .base import ReplicaView, RouteFeedback, RouteRequest, load_of
+from .block_index import BlockIndex
+from .keys import PrefixInfo, PrefixKeyer, analyse
+from .load import SharedLoad
+from .rendezvous import rendezvous_order, shed_fractions, sheds, within_bound
+from .settings import RoutingSettings
+
+__all__ = ["PrefixAffinity", "ReplicaBits"]
+
+# A deeper match must also be this many times the first choice's depth.
+_GAIN_RATIO = 1.5
+# Index trust per replica: an EWMA of reported / predicted cached tokens.
+_TRUST_ALPHA = 0.1
+_MIN_TRUST = 0.5
+_MAX_REPLICA_IDS = 4096
+# Below these many requests over the mean, a replica is never skipped: at a few
+# requests per replica, such differences are Poisson noise, not imbalance.
+_STEADY_FLOOR = 2.0
+_BURST_FLOOR = 4.0
+
+
+class ReplicaBits:
+    """Small integer ids for replica names (bit positions in the block index)."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def get(self, name: str) -> int | None:
+        return self._ids.get(name)
+
+    def bit(self, name: str) -> int:
+        b = self._ids.get(name)
+        if b is None:
+            b = self._ids[name] = len(self._ids)
+        return b
+
+    def full(self) -> bool:
+        return len(self._ids) >= _MAX_REPLICA_IDS
+
+    def clear(self) -> None:
+        self._ids.clear()
+
+
+class PrefixAffinity:
+    name = "prefix_affinity"
+
+    def __init__(self, settings: RoutingSettings | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings or RoutingSettings()
+        self.keyer = PrefixKeyer(self.settings)
+        self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks)
+        self.bits = ReplicaBits()
+        self.load = SharedLoad(self.settings.load_average_s, clock)
+        self._salts: dict[str, int] = {}
+        self._trust: dict[str, float] = {}
+        # For metrics and the benchmark: decisions, and how many the index changed.
+        self.decisions = 0
+        self.follows = 0
+
+    # -- RoutingPolicy -----------------------------------------------------------------
+    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        return self._rank(request, replicas, learn=True)
+
+    def peek(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """``prefer`` without learning anything: what this instance would do."""
+        return self._rank(request, replicas, learn=False)
+
+    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        if not feedback.ok:
+            return
+        info = analyse(request, self.settings)
+        if not info.hashes:
+            return
+        if self.bits.full() and self.bits.get(feedback.replica) is None:
+            # Replica names churned past the id space (DNS pods coming and going):
+            # start the index afresh rather than grow without bound.
+            self.bits.clear()
+            self.index.clear()
+        bit = self.bits.bit(feedback.replica)
+        self._learn_trust(info, feedback, bit)
+        self.index.add(info.hashes, bit)
+        # The key this instance routed on (a peek if the request came another way).
+        self.index.add_key(self.keyer.key_for(request, max(1, len(self.bits)), learn=False).key, bit)
+
+    # -- internals ---------------------------------------------------------------------
+    def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
+        if len(replicas) < 2:
+            return list(replicas)
+        if len(self._salts) > _MAX_REPLICA_IDS:
+            self._salts.clear()
+        key = self.keyer.key_for(request, len(replicas), learn=learn).key
+        order = rendezvous_order(key, replicas, self._salts)
+        if learn:
+            self.load.update(replicas)
+            self.decisions += 1
+        inside, over = self._bound(key, order)
+        if len(inside) > 1:
+            pick = self._follow(analyse(request, self.settings), key, inside)
+            if pick:
+                if learn:
+                    self.follows += 1
+                inside = [inside[pick], *inside[:pick], *inside[pick + 1:]]
+        return inside + over
+
+    def _bound(self, key: int, order: list[ReplicaView]) -> tuple[list[ReplicaView], list[ReplicaView]]:
+        """(replicas that may take the request, in ``order``; the rest, least loaded now first)."""
+        weights = [r.weight for r in order]
+        now = [load_of(r) for r in order]
+        shed = shed_fractions([self.load.get(r) for r in order], weights, self.settings.epsilon, _STEADY_FLOOR)
+        burst = within_bound(now, weights, self.settings.burst_epsilon, _BURST_FLOOR)
+        fits = [b and not sheds(key, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]
+        inside = [r for r, ok in zip(order, fits) if ok]
+        over = sorted((i for i, ok in enumerate(fits) if not ok), key=lambda i: (now[i], i))
+        return inside, [order[i] for i in over]
+
+    def _follow(self, info: PrefixInfo, key: int, inside: list[ReplicaView]) -> int:
+        """Index of the replica in ``inside`` to move first (0: keep the order)."""
+        bits = [self.bits.get(r.name) for r in inside]
+        among = 0
+        for b in bits:
+            if b is not None:
+                among |= 1 << b
+        holders = self.index.holders(key) & among
+        if not holders:
+            return 0  # nobody known to hold the key: the rendezvous order decides
+        first = bits[0]
+        trusted = [b is not None and self._trust.get(r.name, 1.0) >= _MIN_TRUST for r, b in zip(inside, bits)]
+        if first is None or not holders >> first & 1:
+            # The key's prefix went elsewhere (a spill, a membership change): follow it.
+            return next((i for i, b in enumerate(bits) if trusted[i] and holders >> b & 1), 0)  # type: ignore[operator]
+        depth, deep = self.index.deepest(info.hashes, holders)
+        if deep >> first & 1:
+            return 0
+        first_depth = self.index.depth_of(info.hashes, first)
+        gain = (depth - first_depth) * info.block
+        if gain < self.settings.index_min_gain_chars or depth < _GAIN_RATIO * first_depth:
+            return 0
+        return next((i for i, b in enumerate(bits) if trusted[i] and deep >> b & 1), 0)  # type: ignore[operator]
+
+    def _learn_trust(self, info: PrefixInfo, feedback: RouteFeedback, bit: int) -> None:
+        if feedback.cached_tokens is None or not feedback.prompt_tokens:
+            return
+        predicted_blocks = self.index.depth_of(info.hashes, bit)
+        if predicted_blocks < 4:
+            return
+        chars_per_token = len(info.rendered.data) / feedback.prompt_tokens
+        reported_blocks = feedback.cached_tokens * chars_per_token / info.block
+        ratio = min(1.0, reported_blocks / predicted_blocks)
+        old = self._trust.get(feedback.replica, 1.0)
+        self._trust[feedback.replica] = old + _TRUST_ALPHA * (ratio - old)

@@ -1,0 +1,130 @@
+"""Weighted rendezvous (highest-random-weight) hashing and the bounded-load split.
+
+Rendezvous hashing gives every key its own full preference order over the
+replicas: score each replica by a hash of (key, replica) and sort. Every
+gateway instance computes the same order from the same key and membership, with
+no shared state; removing a replica moves only the keys it was first for (each
+to its own next choice, about 1/N of keys), and adding it back restores them.
+Weights follow Schindelhauer and Schomaker's logarithmic method: score =
+weight / -ln(u), u uniform in (0, 1), so a replica of weight 2 is first for
+twice the keys. O(N) per lookup: fine for tens of replicas.
+
+Bounded load (Mirrokni, Thorup, Zadimoghaddam): a replica may take the request
+only if its load plus this request stays within ceil((1 + epsilon) x the mean
+including this request), scaled by its weight. Replicas past the bound are not
+dropped: they go to the end of the order, least loaded first, so retries still
+have somewhere to go.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, TypeVar
+
+import xxhash
+
+from .base import ReplicaView, load_of
+
+__all__ = ["replica_salt", "rendezvous_order", "within_bound", "shed_fractions", "sheds", "split_by_load",
+           "first_choice"]
+
+_xxh = xxhash.xxh3_64_intdigest
+_TWO64 = float(1 << 64)
+
+R = TypeVar("R", bound=ReplicaView)
+
+
+def replica_salt(name: str) -> int:
+    """A replica's stable identity in the hash: its name, never its URL or position."""
+    return _xxh(name.encode("utf-8", "surrogatepass"), 0x6B76676174650001)
+
+
+def _score(key_bytes: bytes, salt: int, weight: float) -> float:
+    u = (_xxh(key_bytes, salt) + 0.5) / _TWO64
+    return weight / -math.log(u)
+
+
+def rendezvous_order(key: int, replicas: Sequence[R], salts: dict[str, int] | None = None) -> list[R]:
+    """Replicas in the key's preference order, best first (ties, vanishingly rare, by name).
+
+    ``salts`` caches each name's salt across calls (the caller owns and bounds it).
+    """
+    kb = (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+    salts = {} if salts is None else salts
+    scored = []
+    for r in replicas:
+        salt = salts.get(r.name)
+        if salt is None:
+            salt = salts[r.name] = replica_salt(r.name)
+        scored.append((-_score(kb, salt, r.weight), r.name, r))
+    scored.sort(key=lambda t: (t[0], t[1]))
+    return [t[2] for t in scored]
+
+
+def first_choice(key: int, names: Sequence[str]) -> str:
+    """The unweighted first choice among ``names``: the membership tests' reference mapping."""
+    kb = (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+    return max(names, key=lambda n: (_xxh(kb, replica_salt(n)), n))
+
+
+def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: float,
+                 floor: float = 0.0) -> list[bool]:
+    """For each replica, whether one more request keeps it within the bound.
+
+    ``loads`` are weighted (requests per unit weight, as ``load_of``); the cap is
+    ceil((1 + epsilon) x mean load including this request x weight), but never
+    below mean + ``floor``: at a handful of requests per replica, a difference
+    of one or two is noise, not imbalance.
+    """
+    total_weight = sum(weights)
+    if total_weight <= 0:
+        return [True] * len(loads)
+    mean = (sum(load * w for load, w in zip(loads, weights)) + 1.0) / total_weight
+    return [load * w + 1.0 <= max(math.ceil(max((1.0 + epsilon) * mean * w, (mean + floor) * w) - 1e-9), 1)
+            for load, w in zip(loads, weights)]
+
+
+def shed_fractions(loads: Sequence[float], weights: Sequence[float], epsilon: float,
+                   floor: float = 0.0, gain: float = 10.0) -> list[float]:
+    """For each replica, the fraction of its keys to send elsewhere (0 when within the bound).
+
+    Proportional to how far its load is past max((1 + epsilon) x mean, mean + floor):
+    a replica slightly over sheds a few keys, one far over sheds most. Which
+    keys is decided by ``sheds`` from a hash of (key, replica), so every
+    instance with the same load view sheds the same keys, and a growing
+    fraction sheds a growing set (the keys already shed stay shed).
+    """
+    total_weight = sum(weights)
+    if total_weight <= 0:
+        return [0.0] * len(loads)
+    mean = sum(load * w for load, w in zip(loads, weights)) / total_weight
+    out = []
+    for load, w in zip(loads, weights):
+        raw, cap = load * w, max((1.0 + epsilon) * mean, mean + floor) * w
+        out.append(min(1.0, gain * (raw - cap) / raw) if raw > cap and raw > 0 else 0.0)
+    return out
+
+
+def sheds(key: int, name: str, fraction: float, salts: dict[str, int] | None = None) -> bool:
+    """Whether ``key`` is among the ``fraction`` of keys shed by replica ``name``."""
+    if fraction <= 0.0:
+        return False
+    salt = (salts or {}).get(name)
+    if salt is None:
+        salt = replica_salt(name)
+    kb = (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+    return (_xxh(kb, salt ^ 0x5BD1E9955BD1E995) + 0.5) / _TWO64 < fraction
+
+
+def split_by_load(order: Sequence[R], epsilon: float,
+                  loads: Sequence[float] | None = None) -> tuple[list[R], list[R]]:
+    """(replicas within the load bound, in ``order``; the rest, least loaded first).
+
+    ``loads`` defaults to ``load_of`` of each replica (weighted, in requests).
+    """
+    if loads is None:
+        loads = [load_of(r) for r in order]
+    ok = within_bound(loads, [r.weight for r in order], epsilon)
+    inside = [r for r, fits in zip(order, ok) if fits]
+    over = sorted((i for i, fits in enumerate(ok) if not fits), key=lambda i: (loads[i], i))
+    return inside, [order[i] for i in over]

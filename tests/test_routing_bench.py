@@ -1,0 +1,107 @@
+"""The routing benchmark: workloads are exact, the simulator runs, instances agree, --quick works.
+
+Everything here builds its own small data; nothing reads ../shared/data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench import routing as bench_routing
+from bench.routing_replay import Usage, replay, summarise
+from bench.routing_sim import SimSettings, simulate
+from bench.workloads import Request, Workload, shared_prefix, twin, unique
+from bench.workloads.text import TextBank
+from routing import PrefixAffinity, RoutingSettings
+from vllm_sim.kv import block_hashes
+from vllm_sim.template import render_chat
+from vllm_sim.tokenizer import tokenize
+
+
+def _prompt_text(req: Request) -> str:
+    body = req.body()
+    return body["prompt"] if "prompt" in body else render_chat(body["messages"], body.get("tools"))
+
+
+@pytest.mark.parametrize("build", [lambda: twin.build(n_requests=4), lambda: shared_prefix.build(groups=2, per_group=2),
+                                   lambda: unique.build(n_requests=3)])
+def test_workload_token_ids_are_exactly_the_simulators(build) -> None:
+    for req in build().requests:
+        ids = tokenize(_prompt_text(req))
+        assert len(ids) == req.prompt_tokens
+        assert block_hashes(ids) == list(req.kv_hashes)
+
+
+def test_text_segments_are_prefixes_of_longer_ones() -> None:
+    bank = TextBank(3)
+    assert bank.run("x", 512).startswith(bank.run("x", 100))
+    assert bank.run_ids("x", 512)[:100] == bank.run_ids("x", 100) == tokenize(bank.run("x", 100))
+
+
+def _conversations(n_conv: int = 120, turns: int = 4) -> Workload:
+    """A small synthetic chat workload: one shared system prompt, conversations of several turns."""
+    bank = TextBank(11)
+    requests: list[Request] = []
+    system = bank.paragraph("sys", 300)
+    for c in range(n_conv):
+        msgs = [{"role": "system", "content": system}]
+        prev = None
+        for k in range(turns):
+            msgs = msgs + [{"role": "user", "content": bank.paragraph(f"q{c}.{k}", 200)}]
+            convo = list(msgs)
+            ids = tokenize(render_chat(convo))
+            rid = len(requests)
+            requests.append(Request(rid, "chat", "m", "t", (lambda convo=convo: {"model": "m", "messages": convo}),
+                                    len(ids), 64, block_hashes(ids), arrival=c * 0.3 if prev is None else 2.0,
+                                    after=prev, prev=prev))
+            msgs = msgs + [{"role": "assistant", "content": bank.paragraph(f"a{c}.{k}", 100)}]
+            prev = rid
+    return Workload("conversations", requests, "synthetic conversations")
+
+
+def test_four_independent_instances_keep_the_single_instance_hit_ratio() -> None:
+    w = _conversations()
+    settings = SimSettings(replicas=8, kv_tokens=1 << 22)
+
+    def make(clock):
+        return PrefixAffinity(RoutingSettings(), clock)
+
+    one = simulate(w, make, settings)
+    four = simulate(w, make, replace(settings, instances=4, agreement=True))
+    assert one.hit_ratio > 0.5
+    assert four.hit_ratio >= 0.95 * one.hit_ratio
+    assert four.warm_share >= 0.9
+    assert four.agreement >= 0.8  # tiny run: the first requests of each instance are its warm-up
+
+
+def test_replay_drives_any_async_send_with_closed_loop_follow_ups() -> None:
+    w = _conversations(n_conv=5, turns=3)
+    order: list[int] = []
+
+    async def send(req: Request) -> Usage:
+        order.append(req.rid)
+        await asyncio.sleep(0)
+        if req.rid == 1:
+            raise RuntimeError("replica down")
+        return Usage(req.prompt_tokens, req.prompt_tokens // 2, 0.01)
+
+    results = asyncio.run(replay(w, send, speed=1000.0))
+    assert [r.rid for r in results] == list(range(len(w.requests)))
+    assert order.index(1) < order.index(2), "a follow-up waits for its turn"
+    summary = summarise(results)
+    assert summary["errors"] == 1 and 0.45 < summary["hit_ratio"] <= 0.5
+
+
+def test_quick_benchmark_runs(tmp_path: Path, capsys) -> None:
+    code = bench_routing.main(["--quick", "--workloads", "shared_prefix", "unique", "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "prefix_affinity" in out and "sglang_cache_aware" in out and "membership" in out
+    data = json.loads((tmp_path / "routing.json").read_text())
+    assert {d["workload"] for d in data} == {"shared_prefix", "unique"}
+    assert (tmp_path / "routing.png").stat().st_size > 10_000

@@ -1,0 +1,228 @@
+"""Routing policies over fake replica views: orders, stickiness, spreading, bounds, membership."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from routing import RouteFeedback, RouteRequest, RoutingSettings, load_of, make_policy
+from routing.consistent_hash import ConsistentHash
+from routing.least_load import LeastLoad
+from routing.prefix_affinity import PrefixAffinity
+from routing.rendezvous import rendezvous_order, split_by_load
+from routing.round_robin import RoundRobin
+
+
+@dataclass(eq=False)
+class View:
+    name: str
+    weight: float = 1.0
+    in_flight: int = 0
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fleet(n: int = 8) -> list[View]:
+    return [View(f"r{i}") for i in range(n)]
+
+
+SYSTEM = "You are the assistant of Example Corp. Follow the policies below. " * 20
+
+
+def turn(conv: int, k: int, system: str = SYSTEM) -> RouteRequest:
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"conversation {conv}: " + "q " * 40}]
+    for i in range(1, k):
+        msgs += [{"role": "assistant", "content": f"answer {i} " * 30}, {"role": "user", "content": f"follow {i}"}]
+    return RouteRequest("chat", "m", "tenant", {"model": "m", "messages": msgs})
+
+
+def serve(policy, request: RouteRequest, replicas: list[View]) -> str:
+    chosen = policy.prefer(request, replicas)[0].name
+    policy.observe(request, RouteFeedback(chosen, None, None, True))  # no prompt-token details
+    return chosen
+
+
+def warm_up(policy, replicas: list[View], n: int = 200) -> None:
+    for i in range(n):
+        serve(policy, turn(100_000 + i, 1), replicas)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 12), conv=st.integers(0, 10_000), loads=st.lists(st.integers(0, 30), min_size=12, max_size=12))
+def test_every_policy_returns_a_permutation(n: int, conv: int, loads: list[int]) -> None:
+    replicas = fleet(n)
+    for r, load in zip(replicas, loads):
+        r.in_flight = load
+    for name in ("prefix_affinity", "least_load", "round_robin", "consistent_hash"):
+        order = make_policy(RoutingSettings(policy=name)).prefer(turn(conv, 1 + conv % 3), replicas)
+        assert sorted(r.name for r in order) == sorted(r.name for r in replicas)
+
+
+def test_make_policy_defaults_to_prefix_affinity() -> None:
+    assert RoutingSettings().policy == "prefix_affinity"
+    assert isinstance(make_policy(RoutingSettings()), PrefixAffinity)
+    assert isinstance(make_policy(RoutingSettings(policy="round_robin")), RoundRobin)
+    assert isinstance(make_policy(RoutingSettings(policy="least_load")), LeastLoad)
+    assert isinstance(make_policy(RoutingSettings(policy="consistent_hash")), ConsistentHash)
+
+
+@given(key=st.integers(0, 2**64 - 1))
+def test_rendezvous_orders_agree_across_instances_and_ignore_list_order(key: int) -> None:
+    a, b = fleet(), list(reversed(fleet()))
+    assert [r.name for r in rendezvous_order(key, a)] == [r.name for r in rendezvous_order(key, b)]
+
+
+def test_weighted_rendezvous_gives_first_choices_in_proportion_to_weight() -> None:
+    replicas = fleet(4)
+    replicas[0].weight = 3.0
+    firsts = Counter(rendezvous_order(random.Random(i).getrandbits(64), replicas)[0].name for i in range(12_000))
+    assert abs(firsts["r0"] / 12_000 - 0.5) < 0.03  # 3 / (3 + 1 + 1 + 1)
+
+
+def test_multi_turn_requests_stay_on_their_replica() -> None:
+    policy, replicas = PrefixAffinity(), fleet()
+    warm_up(policy, replicas)
+    for conv in range(40):
+        homes = {serve(policy, turn(conv, k), replicas) for k in range(1, 6)}
+        assert len(homes) == 1, f"conversation {conv} moved: {homes}"
+
+
+def test_a_system_prompt_in_every_request_spreads_over_all_replicas() -> None:
+    policy, replicas = PrefixAffinity(), fleet()
+    firsts = Counter(serve(policy, turn(conv, 1), replicas) for conv in range(800))
+    assert set(firsts) == {r.name for r in replicas}
+    assert max(firsts.values()) < 800 / 8 * 1.6
+
+
+def test_a_hot_shared_prefix_spreads_under_load() -> None:
+    # One conversation is extremely hot: the bound moves its excess elsewhere.
+    clock = Clock()
+    policy, replicas = PrefixAffinity(clock=clock), fleet()
+    for r in replicas:
+        r.running, r.waiting = 4.0, 0.0
+    home = policy.prefer(turn(7, 1), replicas)[0]
+    home.in_flight = 30  # swamped right now, as this instance sees it
+    spread = Counter(policy.prefer(turn(7, 1), replicas)[0].name for _ in range(20))
+    assert home.name not in spread
+    home.in_flight = 0
+    home.running = 20.0  # persistently past the bound in the shared view
+    for _ in range(200):
+        clock.t += 1.0
+        policy.prefer(turn(1, 1), replicas)
+    shed = Counter(policy.prefer(turn(conv, 1), replicas)[0].name for conv in range(400))
+    assert shed[home.name] < 400 / 8 / 2
+
+
+def test_bounded_load_split_keeps_order_and_sorts_the_rest_by_load() -> None:
+    replicas = fleet(4)
+    for r, load in zip(replicas, (10, 0, 9, 1)):
+        r.in_flight = load
+    inside, over = split_by_load(replicas, 0.25)
+    assert [r.name for r in inside] == ["r1", "r3"]
+    assert [r.name for r in over] == ["r2", "r0"]
+    assert load_of(View("x", weight=2.0, in_flight=4, running=6.0)) == 3.0
+
+
+def test_removing_draining_or_ejecting_a_replica_reroutes_only_its_keys() -> None:
+    policy, replicas = PrefixAffinity(), fleet()
+    warm_up(policy, replicas)
+    requests = [turn(conv, 1) for conv in range(600)]
+    before = {id(q): policy.peek(q, replicas)[0].name for q in requests}
+    for gone in ("r3", "r6"):
+        remaining = [r for r in replicas if r.name != gone]
+        moved = [q for q in requests if policy.peek(q, remaining)[0].name != before[id(q)]]
+        assert all(before[id(q)] == gone for q in moved)
+        assert 0 < len(moved) <= len(requests) * (1 / 8 + 0.05)
+    assert all(policy.peek(q, replicas)[0].name == before[id(q)] for q in requests), "adding it back restores"
+
+
+def test_a_key_that_spilled_is_followed_by_the_instance_that_saw_it() -> None:
+    policy, replicas = PrefixAffinity(), fleet()
+    warm_up(policy, replicas)
+    first = turn(5, 1)
+    home = policy.prefer(first, replicas)[0]
+    home.in_flight = 50
+    spilled = policy.prefer(first, replicas)[0]
+    assert spilled is not home
+    policy.observe(first, RouteFeedback(spilled.name, None, None, True))
+    home.in_flight = 0
+    assert policy.prefer(turn(5, 2), replicas)[0] is spilled
+    assert policy.follows >= 1
+
+
+def test_concurrent_acquire_release_returns_every_in_flight_count_to_zero() -> None:
+    rng = random.Random(1234)
+    policy, replicas = PrefixAffinity(), fleet()
+    held: list[tuple[RouteRequest, View]] = []
+    firsts: Counter[str] = Counter()
+    for _ in range(20_000):
+        if held and (rng.random() < 0.5 or len(held) > 64):
+            request, replica = held.pop(rng.randrange(len(held)))
+            replica.in_flight -= 1
+            policy.observe(request, RouteFeedback(replica.name, 500, rng.randrange(500), rng.random() > 0.01))
+        else:
+            request = turn(rng.randrange(300), 1 + rng.randrange(3))
+            chosen = policy.prefer(request, replicas)[0]
+            chosen.in_flight += 1
+            firsts[chosen.name] += 1
+            held.append((request, chosen))
+    for _request, replica in held:
+        replica.in_flight -= 1
+    assert all(r.in_flight == 0 for r in replicas)
+    mean = sum(firsts.values()) / len(replicas)
+    assert max(firsts.values()) < mean * 1.5
+
+
+def test_round_robin_and_least_load_orders() -> None:
+    replicas = fleet(3)
+    rr = RoundRobin()
+    assert [rr.prefer(turn(0, 1), replicas)[0].name for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    replicas[0].in_flight, replicas[1].in_flight = 5, 1
+    assert [r.name for r in LeastLoad().prefer(turn(0, 1), replicas)] == ["r2", "r1", "r0"]
+
+
+def test_routing_a_typical_chat_request_costs_well_under_100_microseconds() -> None:
+    policy, replicas = PrefixAffinity(), fleet()
+    warm_up(policy, replicas, 300)
+    requests = [turn(conv, 1 + conv % 4) for conv in range(1000)]
+    best = float("inf")
+    for batch in range(10):  # the best batch: a shared CI machine adds noise, never speed
+        chunk = requests[batch * 100:(batch + 1) * 100]
+        started = time.perf_counter()
+        for q in chunk:
+            policy.prefer(q, replicas)
+        best = min(best, (time.perf_counter() - started) / len(chunk))
+    # About 80 us measured on an idle core (render, hash, walk ~21 cuts, rendezvous, bounds).
+    assert best < 300e-6, f"{best * 1e6:.0f} us"
+
+
+def test_popularity_needs_repeated_evidence_before_a_prefix_is_wide() -> None:
+    from routing.hotness import Popularity
+
+    pop = Popularity(capacity=100)
+    window = 64
+    for _ in range(3):  # a burst of three turns of one conversation
+        pop.tick()
+        pop.record_all([1])
+    assert pop.share(1, window) < 1 / 8
+    for _ in range(10):  # a prefix in every request
+        pop.tick()
+        pop.record_all([2])
+    assert pop.share(2, window) >= 1 / 8
+    assert pop.shares([1, 2, 3], window)[2] == 0.0
+    pop.record_all(list(range(1000)))
+    assert len(pop) == 100, "bounded memory: LRU"
