@@ -1,0 +1,354 @@
+"""The cache facade the gateway calls: lookup, store, purge, stats.
+
+Lookup order, cheapest first:
+
+1. bypass (decided purely by ``cache_request``);
+2. exact tier: one store read by the exact key, no embedding;
+3. semantic tier, only if this partition has vectors at all (a new
+   conversation skips the embedding entirely): embed the normalised query
+   (micro-batched, in a worker thread), search this partition's index, and
+   offer the best candidates above ``threshold`` to the verifier; the first it
+   accepts is re-read from the store and served.
+
+Contract: ``lookup`` and ``store`` never raise (task cancellation aside). A
+store fault, a hung Redis, an embedder error or a bug in here becomes a miss
+(or ``False``), counted in ``stats()``; the caller's request goes on upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import numpy as np
+
+from .embedder import Embedder, EmbedderError, HashEmbedder, LocalEmbedder, RemoteEmbedder
+from .index import VectorIndex
+from .models import CachedAnswer, CacheRequest, Entry, Lookup
+from .normalize import embedding_text
+from .redis_store import RedisStore
+from .settings import SemanticCacheSettings
+from .store import MemoryStore, PurgeFilter, Store, StoreUnavailable
+from .sync import IndexSync
+from .verifier import Verifier
+
+log = logging.getLogger("kvgate.semantic_cache")
+
+
+def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClient | None) -> Embedder:
+    wait_s = settings.batch_wait_ms / 1000
+    if settings.embedder == "hash":
+        return HashEmbedder()
+    if settings.embedder == "remote":
+        if not settings.embedding_url or http_client is None:
+            raise ValueError("semantic_cache.embedder=remote needs embedding_url and an HTTP client")
+        return RemoteEmbedder(http_client, settings.embedding_url, settings.embedding_model,
+                              batch_max=settings.batch_max, batch_wait_s=wait_s,
+                              timeout_s=settings.embed_timeout_s)
+    return LocalEmbedder(batch_max=settings.batch_max, batch_wait_s=wait_s, name=settings.embedding_model,
+                         threads=settings.embed_threads)
+
+
+class SemanticCache:
+    """Two-tier response cache; build it with ``await SemanticCache.open(...)``."""
+
+    def __init__(self, settings: SemanticCacheSettings, store: Store, embedder: Embedder, *,
+                 owns_embedder: bool = True, owned_client: httpx.AsyncClient | None = None) -> None:
+        self.settings = settings
+        self._store = store
+        self._embedder = embedder
+        self._owns_embedder = owns_embedder
+        self._owned_client = owned_client
+        self._index = VectorIndex(m=settings.hnsw_m, ef_construction=settings.hnsw_ef_construction,
+                                  ef_search=settings.hnsw_ef_search, brute_force_max=settings.brute_force_max)
+        self._verifier = Verifier() if settings.verifier else None
+        self._known: dict[str, str] = {}  # entry id -> namespace (exact-only entries too)
+        self._ns_counts: Counter[str] = Counter()
+        self._sync: IndexSync | None = None
+        self._embedder_task: asyncio.Task[None] | None = None
+        self._embedder_error: str | None = None
+        self.counters: dict[str, Counter[str]] = {
+            k: Counter() for k in ("lookups", "miss", "bypass", "rejected", "stores", "refused")}
+
+    @classmethod
+    async def open(cls, settings: SemanticCacheSettings, redis_url: str | None, redis_timeout_s: float = 0.25,
+                   *, embedder: Embedder | None = None,
+                   http_client: httpx.AsyncClient | None = None) -> "SemanticCache":
+        """Start the cache. Never fails because Redis is down: it starts degraded and
+        reconnects by itself. The embedding model loads in the background; until it
+        is ready the semantic tier is skipped (``wait_ready`` waits for it)."""
+        owned = None
+        owns_embedder = embedder is None  # an injected embedder stays its owner's to close
+        if embedder is None and settings.embedder == "remote" and http_client is None:
+            http_client = owned = httpx.AsyncClient()
+        embedder = embedder or make_embedder(settings, http_client)
+        store: Store
+        instance_id = secrets.token_hex(8)
+        if redis_url:
+            store = RedisStore(redis_url, timeout_s=redis_timeout_s, prefix=settings.key_prefix,
+                               ttl_s=settings.ttl_s, embedder=embedder.name,
+                               stream_maxlen=settings.stream_maxlen, sync_block_ms=settings.sync_block_ms,
+                               probe_interval_s=settings.probe_interval_s, instance_id=instance_id)
+        else:
+            store = MemoryStore()
+        cache = cls(settings, store, embedder, owns_embedder=owns_embedder, owned_client=owned)
+        cache._embedder_task = asyncio.get_running_loop().create_task(cache._start_embedder())
+        if isinstance(store, RedisStore):
+            if not await store.start():
+                log.warning("semantic cache: Redis unavailable at start-up; running degraded")
+            cache._sync = IndexSync(store, cache, instance_id=instance_id,
+                                    resync_interval_s=settings.resync_interval_s,
+                                    retry_s=settings.probe_interval_s)
+            cache._sync.start()
+        return cache
+
+    async def _start_embedder(self) -> None:
+        try:
+            await self._embedder.start()
+        except EmbedderError as exc:
+            self._embedder_error = str(exc)
+            log.error("semantic cache: embedder unavailable, exact tier only: %s", exc)
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        """Wait for the embedder and the first index sync (tests, benchmarks, readiness)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                if self._embedder_task is not None:
+                    await asyncio.shield(self._embedder_task)
+                if self._sync is not None:
+                    await self._sync.synced.wait()
+        except TimeoutError:
+            return False
+        return self._embedder.ready
+
+    @property
+    def healthy(self) -> bool:
+        return self._store.healthy
+
+    # ---- catalog: what this instance knows is in the store (IndexSink) ----
+
+    def known_ids(self) -> dict[str, str]:
+        return dict(self._known)
+
+    def remember(self, entry: Entry) -> None:
+        if entry.id not in self._known:
+            self._ns_counts[entry.namespace] += 1
+        self._known[entry.id] = entry.namespace
+        if entry.vector is not None and entry.endpoint and entry.query:
+            try:
+                self._index.add(entry.partition, entry.id, entry.vector, entry.query)
+            except ValueError:  # a vector of another dimension (embedder changed): exact tier only
+                self._index.remove(entry.id)
+        else:
+            self._index.remove(entry.id)
+
+    async def remember_many(self, entries: list[Entry]) -> None:
+        """Catalog and index many entries (a rebuild); big new partitions are built as one
+        graph in a worker thread instead of entry by entry on the event loop."""
+        by_partition: dict[str, list[Entry]] = {}
+        for entry in entries:
+            by_partition.setdefault(entry.partition, []).append(entry)
+        for partition, group in by_partition.items():
+            bulk = [e for e in group if e.vector is not None and e.id not in self._known]
+            if len(bulk) <= self.settings.brute_force_max or self._index.has_partition(partition):
+                for entry in group:
+                    self.remember(entry)
+                continue
+            for entry in group:
+                if entry.id not in self._known:
+                    self._ns_counts[entry.namespace] += 1
+                self._known[entry.id] = entry.namespace
+            try:
+                vectors = np.stack([e.vector for e in bulk if e.vector is not None])
+                await asyncio.to_thread(self._index.add_many, partition, [e.id for e in bulk], vectors,
+                                        [e.query for e in bulk])
+            except ValueError:  # mixed dimensions (embedder changed): one by one
+                for entry in bulk:
+                    self.remember(entry)
+
+    def forget(self, entry_id: str) -> None:
+        ns = self._known.pop(entry_id, None)
+        if ns is not None:
+            self._ns_counts[ns] -= 1
+            if self._ns_counts[ns] <= 0:
+                del self._ns_counts[ns]
+        self._index.remove(entry_id)
+
+    # ---- lookup ----
+
+    async def lookup(self, req: CacheRequest) -> Lookup:
+        """Exact tier, then semantic tier. Never raises: any fault is a miss."""
+        try:
+            result = await self._lookup(req)
+        except StoreUnavailable:
+            result = Lookup("miss", reason="store_unavailable")
+        except Exception:  # the contract: a cache bug must not fail the request
+            log.exception("semantic cache lookup failed")
+            result = Lookup("miss", reason="error")
+        key = result.status if result.status != "hit" else f"hit_{result.tier}"
+        self.counters["lookups"][key] += 1
+        if result.status in ("miss", "bypass") and result.reason:
+            self.counters[result.status][result.reason] += 1
+        return result
+
+    async def _lookup(self, req: CacheRequest) -> Lookup:
+        if req.bypass_reason is not None:
+            return Lookup("bypass", reason=req.bypass_reason)
+        if not self._store.healthy:
+            return Lookup("miss", reason="store_degraded")
+        entry = await self._store.get(req.exact_key, req.namespace)
+        if entry is not None and self._same_partition(entry, req):
+            return Lookup("hit", answer=entry.answer, similarity=1.0, tier="exact")
+        if not req.semantic:
+            return Lookup("miss", reason="no_exact_match")
+        if not self._index.has_partition(req.partition):
+            return Lookup("miss", reason="empty_partition")
+        if not self._embedder.ready:
+            return Lookup("miss", reason="embedder_not_ready")
+        vector = await self._embed(req.query)
+        if vector is None:
+            return Lookup("miss", reason="embedder_error")
+        return await self._semantic(req, vector)
+
+    async def _semantic(self, req: CacheRequest, vector: Any) -> Lookup:
+        s = self.settings
+        hits = self._index.search(req.partition, vector, s.candidates, s.threshold)
+        if not hits:
+            return Lookup("miss", reason="below_threshold")
+        first_reason = None
+        for hit in hits:
+            if self._verifier is not None:
+                verdict = self._verifier.check(req.query, hit.query, hit.similarity)
+                if not verdict.ok:
+                    self.counters["rejected"][verdict.reason or "?"] += 1
+                    first_reason = first_reason or f"verifier:{verdict.reason}"
+                    continue
+            entry = await self._store.get(hit.id, req.namespace)
+            if entry is None:
+                self.forget(hit.id)  # expired or deleted since the last sync
+                continue
+            if self._same_partition(entry, req):
+                return Lookup("hit", answer=entry.answer, similarity=hit.similarity, tier="semantic")
+        return Lookup("miss", reason=first_reason or "candidate_gone", similarity=hits[0].similarity)
+
+    @staticmethod
+    def _same_partition(entry: Entry, req: CacheRequest) -> bool:
+        # The keys already separate these; re-checking the stored fields means a bug or a
+        # hash collision elsewhere still cannot serve another tenant's or model's answer.
+        return (entry.partition == req.partition and entry.namespace == req.namespace
+                and entry.model == req.model and entry.endpoint == req.endpoint)
+
+    async def _embed(self, query: str) -> Any:
+        try:
+            async with asyncio.timeout(self.settings.embed_timeout_s):
+                return (await self._embedder.embed([embedding_text(query)]))[0]
+        except (EmbedderError, TimeoutError):
+            return None
+
+    # ---- store ----
+
+    def refusal(self, req: CacheRequest, answer: CachedAnswer) -> str | None:
+        """Why this answer must not be stored, or None. Pure."""
+        if not req.store_ok:
+            return f"bypass:{req.bypass_reason}"
+        if answer.tool_calls:
+            if not self.settings.cache_tool_calls:
+                return "tool_calls"
+            if answer.finish_reason not in ("tool_calls", "stop"):
+                return f"finish_reason:{answer.finish_reason}"
+            return None
+        # Only "stop": "length" is a cut-off answer (degenerate generations end there) and
+        # "content_filter", errors or None are not answers one would want served again.
+        if answer.finish_reason != "stop":
+            return f"finish_reason:{answer.finish_reason}"
+        if not answer.content.strip():
+            return "empty"
+        if len(answer.content) > self.settings.max_answer_chars:
+            return "too_large"
+        return None
+
+    async def store(self, req: CacheRequest, answer: CachedAnswer) -> bool:
+        """Store a complete, successful answer. Never raises; False when refused or failed."""
+        try:
+            reason = self.refusal(req, answer)
+            if reason is not None:
+                self.counters["refused"][reason] += 1
+                return False
+            if not self._store.healthy:
+                self.counters["stores"]["failed:store_degraded"] += 1
+                return False
+            vector = None
+            if req.semantic and self._embedder.ready:
+                vector = await self._embed(req.query)  # None: stored for the exact tier only
+            now = time.time()
+            entry = Entry(id=req.exact_key, namespace=req.namespace, model=req.model,
+                          partition=req.partition, endpoint=req.endpoint, query=req.query, answer=answer,
+                          created=now, expires_at=now + self.settings.ttl_s, vector=vector)
+            evicted = await self._store.put(entry, self.settings.max_entries_per_namespace)
+            for entry_id in evicted:
+                self.forget(entry_id)
+            self.counters["stores"]["evicted"] += len(evicted)
+            self.remember(entry)
+            self.counters["stores"]["ok"] += 1
+            return True
+        except StoreUnavailable:
+            self.counters["stores"]["failed:store_unavailable"] += 1
+        except Exception:
+            log.exception("semantic cache store failed")
+            self.counters["stores"]["failed:error"] += 1
+        return False
+
+    # ---- admin ----
+
+    async def purge(self, *, namespace: str | None = None, model: str | None = None,
+                    older_than_s: float | None = None) -> int:
+        """Delete matching entries everywhere; returns how many. Unlike lookup/store this
+        raises ``StoreUnavailable`` when Redis is down: an operator must know it failed."""
+        ids = await self._store.purge(PurgeFilter(namespace, model, older_than_s))
+        for entry_id in ids:
+            self.forget(entry_id)
+        return len(ids)
+
+    def stats(self) -> dict[str, Any]:
+        redis = isinstance(self._store, RedisStore)
+        out: dict[str, Any] = {
+            "backend": "redis" if redis else "memory",
+            "redis": ("ok" if self._store.healthy else "degraded") if redis else "none",
+            "healthy": self.healthy,
+            "embedder": self._embedder.name,
+            "embedder_ready": self._embedder.ready,
+            "embedder_error": self._embedder_error,
+            "threshold": self.settings.threshold,
+            "verifier": self._verifier is not None,
+            "entries": dict(self._ns_counts),
+            "indexed_vectors": len(self._index),
+            "partitions": self._index.partitions,
+            "index_bytes": self._index.memory_bytes(),
+            **{k: dict(v) for k, v in self.counters.items()},
+        }
+        if isinstance(self._store, RedisStore):
+            out["breaker_trips"] = self._store.breaker.trips
+            out["redis_last_error"] = self._store.breaker.last_error or None
+        if self._sync is not None:
+            out["sync"] = {"resyncs": self._sync.resyncs, "events": self._sync.events_applied,
+                           "last_sync": self._sync.last_sync}
+        batcher = getattr(self._embedder, "batcher", None)
+        if batcher is not None:
+            out["embed_batches"], out["embedded_texts"] = batcher.batches, batcher.texts
+        return out
+
+    async def aclose(self) -> None:
+        if self._sync is not None:
+            await self._sync.aclose()
+        if self._embedder_task is not None and not self._embedder_task.done():
+            self._embedder_task.cancel()
+        if self._owns_embedder:
+            await self._embedder.aclose()
+        await self._store.aclose()
+        if self._owned_client is not None:
+            await self._owned_client.aclose()

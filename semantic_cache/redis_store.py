@@ -1,0 +1,302 @@
+"""The shared store: entries in Redis, a change log for other instances.
+
+Layout (``P`` = ``settings.key_prefix``, default ``kvgate:sc:``):
+
+* ``P e:<id>``      hash: the entry (see ``store.encode_entry``), with a TTL.
+* ``P ns:<ns>``     sorted set: entry ids of a namespace scored by last use
+                    (ZPOPMIN evicts the least recently used).
+* ``P namespaces``  set of namespaces (purge-all, rebuild).
+* ``P log``         stream of ``add``/``del`` events, capped; instances tail it
+                    to keep their in-memory indexes in sync within a second.
+
+Faults. Every call is bounded by the client's socket timeouts (connect and
+read = ``redis_timeout_s``) with no client retries, so a hung Redis costs at
+most one timeout. The first availability error opens a circuit breaker: from
+then on calls fail at once with ``StoreUnavailable`` (no socket is touched)
+until the background probe gets a PING through; then the breaker closes and
+``on_recover`` lets the cache resynchronise what it missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .models import Entry
+from .store import PurgeFilter, StoreUnavailable, decode_entry, encode_entry
+
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+_CHUNK = 256
+
+
+class CircuitBreaker:
+    """Closed: calls go through. Open: calls fail fast until ``reset``."""
+
+    def __init__(self) -> None:
+        self.open_since: float | None = None
+        self.trips = 0
+        self.last_error = ""
+
+    @property
+    def is_open(self) -> bool:
+        return self.open_since is not None
+
+    def trip(self, error: str) -> None:
+        if self.open_since is None:
+            self.open_since = time.monotonic()
+            self.trips += 1
+        self.last_error = error
+
+    def reset(self) -> None:
+        self.open_since = None
+
+
+def _client(url: str, timeout_s: float) -> aioredis.Redis:
+    # No client-side retries: a retry on a hung server multiplies the time a request waits.
+    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
+class RedisStore:
+    def __init__(self, url: str, *, timeout_s: float, prefix: str, ttl_s: int, embedder: str,
+                 stream_maxlen: int, sync_block_ms: int, probe_interval_s: float, instance_id: str) -> None:
+        self._timeout = timeout_s
+        self._me = instance_id
+        self._p = prefix
+        self._ttl = ttl_s
+        self._embedder = embedder
+        self._maxlen = stream_maxlen
+        self._block_ms = sync_block_ms
+        self._probe_interval = probe_interval_s
+        self._r = _client(url, timeout_s)
+        # The log reader blocks server-side for up to block_ms: its read timeout must exceed that.
+        self._tail = _client(url, timeout_s + sync_block_ms / 1000)
+        self.breaker = CircuitBreaker()
+        self.on_recover: Callable[[], Awaitable[None]] | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def healthy(self) -> bool:
+        return not self.breaker.is_open
+
+    def _k(self, kind: str, name: str = "") -> str:
+        return f"{self._p}{kind}{name}"
+
+    async def _call(self, fn: Callable[[aioredis.Redis], Any], client: Any = None) -> Any:
+        """Run one Redis interaction under the breaker; any fault becomes StoreUnavailable.
+
+        Typed ``Any``: redis-py annotates replies as unions of every RESP type."""
+        if self.breaker.is_open:
+            raise StoreUnavailable("redis circuit breaker open")
+        try:
+            return await fn(client or self._r)
+        except _UNAVAILABLE as exc:
+            self.breaker.trip(repr(exc))
+            self._ensure_probe()
+            raise StoreUnavailable(repr(exc)) from exc
+        except RedisError as exc:  # a server-side error (wrong type, OOM): not an outage
+            raise StoreUnavailable(repr(exc)) from exc
+
+    # ---- health ----
+
+    async def start(self) -> bool:
+        """Check the connection once; when it fails, start degraded and keep probing."""
+        try:
+            await self._call(lambda r: r.ping())
+            return True
+        except StoreUnavailable:
+            return False
+
+    def _ensure_probe(self) -> None:
+        if not self._closed and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.get_running_loop().create_task(self._probe_loop(), name="kvgate-sc-probe")
+
+    async def _probe_loop(self) -> None:
+        while self.breaker.is_open and not self._closed:
+            await asyncio.sleep(self._probe_interval)
+            try:
+                await self._r.ping()
+            except (*_UNAVAILABLE, RedisError) as exc:
+                self.breaker.last_error = repr(exc)
+                continue
+            self.breaker.reset()
+            if self.on_recover is not None:
+                await self.on_recover()
+
+    # ---- entries ----
+
+    async def get(self, entry_id: str, namespace: str) -> Entry | None:
+        async def op(r: aioredis.Redis) -> Any:
+            pipe = r.pipeline(transaction=False)
+            pipe.hgetall(self._k("e:", entry_id))
+            # Touch recency in the same round trip; XX never resurrects a purged id.
+            pipe.zadd(self._k("ns:", namespace), {entry_id: time.time()}, xx=True)
+            return await pipe.execute()
+
+        raw, _ = await self._call(op)
+        if not raw:
+            return None
+        entry = decode_entry(entry_id, raw, self._embedder)
+        if entry is None or entry.namespace != namespace or entry.expires_at <= time.time():
+            return None
+        return entry
+
+    async def put(self, entry: Entry, cap: int) -> list[str]:
+        ekey, nskey = self._k("e:", entry.id), self._k("ns:", entry.namespace)
+
+        async def op(r: aioredis.Redis) -> Any:
+            pipe = r.pipeline(transaction=True)
+            pipe.delete(ekey)  # a replaced entry must not keep an old vector field
+            pipe.hset(ekey, mapping=encode_entry(entry, self._embedder))  # type: ignore[arg-type]
+            pipe.expireat(ekey, int(entry.expires_at) + 1)
+            pipe.zadd(nskey, {entry.id: time.time()})
+            pipe.sadd(self._k("namespaces"), entry.namespace)
+            pipe.xadd(self._k("log"), {"op": "add", "id": entry.id, "src": self._me},
+                      maxlen=self._maxlen, approximate=True)
+            pipe.zcard(nskey)
+            return await pipe.execute()
+
+        card = (await self._call(op))[-1]
+        if card <= cap:
+            return []
+        popped = await self._call(lambda r: r.zpopmin(nskey, card - cap))
+        evicted = [m.decode() for m, _ in popped]
+        await self._delete(evicted)
+        return evicted
+
+    async def _delete(self, ids: list[str]) -> None:
+        for i in range(0, len(ids), _CHUNK):
+            chunk = ids[i:i + _CHUNK]
+
+            async def op(r: aioredis.Redis, chunk: list[str] = chunk) -> Any:
+                pipe = r.pipeline(transaction=False)
+                pipe.delete(*[self._k("e:", x) for x in chunk])
+                pipe.xadd(self._k("log"), {"op": "del", "id": " ".join(chunk), "src": self._me},
+                          maxlen=self._maxlen, approximate=True)
+                return await pipe.execute()
+
+            await self._call(op)
+
+    async def _namespaces(self, only: str | None) -> list[str]:
+        if only is not None:
+            return [only]
+        members = await self._call(lambda r: r.smembers(self._k("namespaces")))
+        return sorted(m.decode() for m in members)
+
+    async def _ids(self, namespace: str) -> list[str]:
+        members = await self._call(lambda r: r.zrange(self._k("ns:", namespace), 0, -1))
+        return [m.decode() for m in members]
+
+    async def purge(self, flt: PurgeFilter) -> list[str]:
+        gone: list[str] = []
+        now = time.time()
+        for ns in await self._namespaces(flt.namespace):
+            ids = await self._ids(ns)
+            if flt.model is not None or flt.older_than_s is not None:
+                ids = await self._matching(ids, ns, flt, now)
+            await self._delete(ids)
+            await self._drop_from_namespace(ns, ids)
+            gone.extend(ids)
+        return gone
+
+    async def _drop_from_namespace(self, ns: str, ids: list[str]) -> None:
+        nskey = self._k("ns:", ns)
+        for i in range(0, len(ids), _CHUNK):
+            chunk = ids[i:i + _CHUNK]
+            await self._call(lambda r: r.zrem(nskey, *chunk))  # noqa: B023 (awaited now)
+        if not await self._call(lambda r: r.zcard(nskey)):
+            await self._call(lambda r: r.srem(self._k("namespaces"), ns))
+
+    async def _matching(self, ids: list[str], ns: str, flt: PurgeFilter, now: float) -> list[str]:
+        out = []
+        for i in range(0, len(ids), _CHUNK):
+            chunk = ids[i:i + _CHUNK]
+
+            async def op(r: aioredis.Redis, chunk: list[str] = chunk) -> Any:
+                pipe = r.pipeline(transaction=False)
+                for x in chunk:
+                    pipe.hmget(self._k("e:", x), "model", "created")
+                return await pipe.execute()
+
+            for entry_id, (model, created) in zip(chunk, await self._call(op)):
+                if model is None:  # expired already: drop the stale id too
+                    out.append(entry_id)
+                elif flt.matches(ns, model.decode(), float(created), now):
+                    out.append(entry_id)
+        return out
+
+    async def fetch(self, ids: list[str], namespaces: dict[str, str] | None = None) -> list[Entry]:
+        """Entries by id; missing ones are skipped (and, when their namespace is
+        given, removed from it: their hash expired)."""
+        out: list[Entry] = []
+        stale: dict[str, list[str]] = {}
+        for i in range(0, len(ids), _CHUNK):
+            chunk = ids[i:i + _CHUNK]
+
+            async def op(r: aioredis.Redis, chunk: list[str] = chunk) -> Any:
+                pipe = r.pipeline(transaction=False)
+                for x in chunk:
+                    pipe.hgetall(self._k("e:", x))
+                return await pipe.execute()
+
+            for entry_id, raw in zip(chunk, await self._call(op)):
+                entry = decode_entry(entry_id, raw, self._embedder) if raw else None
+                if entry is not None:
+                    out.append(entry)
+                elif namespaces and entry_id in namespaces:
+                    stale.setdefault(namespaces[entry_id], []).append(entry_id)
+        for ns, gone in stale.items():
+            await self._drop_from_namespace(ns, gone)
+        return out
+
+    async def ids(self) -> dict[str, str]:
+        """Every id with its namespace. Ids unused for a whole TTL have certainly
+        expired (their score is their last use, never before creation): dropped first."""
+        out: dict[str, str] = {}
+        for ns in await self._namespaces(None):
+            nskey, cutoff = self._k("ns:", ns), time.time() - self._ttl
+            await self._call(lambda r: r.zremrangebyscore(nskey, "-inf", cutoff))  # noqa: B023 (awaited now)
+            out.update(dict.fromkeys(await self._ids(ns), ns))
+        return out
+
+    # ---- change log ----
+
+    async def log_position(self) -> str:
+        """The id of the newest log event ("0-0" when empty): tail from here."""
+        last = await self._call(lambda r: r.xrevrange(self._k("log"), count=1))
+        return last[0][0].decode() if last else "0-0"
+
+    async def read_log(self, after: str) -> tuple[str, list[tuple[str, list[str], str]]]:
+        """Block up to ``sync_block_ms`` for events after ``after``.
+
+        Returns (new position, [(op, ids, writer instance id)])."""
+        key = self._k("log")
+        reply = await self._call(lambda r: r.xread({key: after}, count=1000, block=self._block_ms),
+                                 client=self._tail)
+        events: list[tuple[str, list[str], str]] = []
+        for _, items in reply or []:
+            for event_id, fields in items:
+                after = event_id.decode()
+                events.append((fields.get(b"op", b"").decode(), fields.get(b"id", b"").decode().split(),
+                               fields.get(b"src", b"").decode()))
+        return after, events
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.wait({self._probe}, timeout=2.0)
+        for client in (self._r, self._tail):
+            try:
+                await client.aclose()
+            except (*_UNAVAILABLE, RedisError):
+                pass

@@ -1,0 +1,121 @@
+"""Keep this instance's in-memory index in step with the shared Redis store.
+
+Three mechanisms, each covering the previous one's gap:
+
+1. Tail the store's change log (a Redis stream, ``XREAD BLOCK``): another
+   instance's new entry is searchable here within about a second.
+2. A full resynchronisation (diff of entry ids, fetch what is missing, drop
+   what is gone) at start-up, after every Redis outage (events may have been
+   missed; Redis may have restarted empty), and every ``resync_interval_s``
+   (the log is capped, and a slow reader can fall behind its tail).
+3. Lookups re-read the entry from Redis before serving it, so an entry deleted
+   since the last sync can cost a candidate but never be served.
+
+The loop never raises: store faults wait for the breaker's probe and force a
+resynchronisation; anything unexpected is logged and retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+from .models import Entry
+from .redis_store import RedisStore
+from .store import StoreUnavailable
+
+log = logging.getLogger("kvgate.semantic_cache")
+
+
+class IndexSink(Protocol):
+    """What the sync loop updates: the cache facade's catalog and index."""
+
+    def known_ids(self) -> dict[str, str]: ...
+
+    def remember(self, entry: Entry) -> None: ...
+
+    async def remember_many(self, entries: list[Entry]) -> None: ...
+
+    def forget(self, entry_id: str) -> None: ...
+
+
+class IndexSync:
+    def __init__(self, store: RedisStore, sink: IndexSink, *, instance_id: str, resync_interval_s: float,
+                 retry_s: float) -> None:
+        self._store = store
+        self._sink = sink
+        self._me = instance_id
+        self._resync_interval = resync_interval_s
+        self._retry = retry_s
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.synced = asyncio.Event()
+        self.resyncs = 0
+        self.events_applied = 0
+        self.last_sync: float | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-sc-sync")
+
+    async def _run(self) -> None:
+        position: str | None = None
+        next_resync = 0.0
+        # A flag as well as cancel(): a cancellation that lands while redis-py's own read
+        # timeout fires can be turned into a TimeoutError, and the loop must still end.
+        while not self._stopping:
+            try:
+                if not self._store.healthy:
+                    position = None
+                    await asyncio.sleep(self._retry)
+                    continue
+                if position is None or time.monotonic() >= next_resync:
+                    # Position first, then the diff: events racing the diff are replayed (idempotent).
+                    position = await self._store.log_position()
+                    await self.resync()
+                    next_resync = time.monotonic() + self._resync_interval
+                position, events = await self._store.read_log(position)
+                await self._apply(events)
+                self.last_sync = time.time()
+            except StoreUnavailable:
+                position = None
+                await asyncio.sleep(self._retry)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not stop synchronisation for good
+                log.exception("semantic cache sync failed; retrying")
+                position = None
+                await asyncio.sleep(self._retry)
+
+    async def resync(self) -> None:
+        remote = await self._store.ids()
+        local = self._sink.known_ids()
+        for entry_id in local.keys() - remote.keys():
+            self._sink.forget(entry_id)
+        missing = [i for i in remote if i not in local]
+        for start in range(0, len(missing), 10_000):
+            # In slices, so a large rebuild makes entries searchable as it goes.
+            await self._sink.remember_many(await self._store.fetch(missing[start:start + 10_000], remote))
+        self.resyncs += 1
+        self.synced.set()
+
+    async def _apply(self, events: list[tuple[str, list[str], str]]) -> None:
+        adds: list[str] = []
+        for op, ids, source in events:
+            if op == "add" and source != self._me:
+                adds.extend(ids)
+            elif op == "del":
+                for entry_id in ids:
+                    self._sink.forget(entry_id)
+        if adds:
+            # A re-stored id replaces the old version, so fetch it even if known.
+            for entry in await self._store.fetch(adds):
+                self._sink.remember(entry)
+        self.events_applied += len(events)
+
+    async def aclose(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=2.0)
