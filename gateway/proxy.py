@@ -137,6 +137,9 @@ class ProxyEndpoint:
             exchange.add_header("x-kvgate-replica", replica.name)
             if attempt.retries:
                 rt.metrics.retries.inc()
+            decision = "retried" if attempt.retries else "first_choice"
+            rt.metrics.routing.labels(decision).inc()
+            rt.routing_counts[decision] += 1
             response = attempt.response
             if response.status_code != 200:
                 raise await read_error_body(response, replica)

@@ -78,6 +78,7 @@ class Runtime:
             boundary_marker=settings.routing.boundary_marker)
         self.cache: SemanticCache | None = None
         self.tenant_stats = TenantStats()
+        self.routing_counts = {"first_choice": 0, "retried": 0}
         self.background: set[asyncio.Task[Any]] = set()
         self.started = False
         self.shutting_down = False
@@ -170,6 +171,10 @@ class Runtime:
         out: dict[str, Any] = {"policy": self.policy.name, "epsilon": self.settings.routing.epsilon}
         if callable(stats):
             out.update(stats())
+        for counter in ("decisions", "follows"):  # prefix_affinity: index overrides of the hash order
+            if hasattr(self.policy, counter):
+                out[counter] = getattr(self.policy, counter)
+        out.update(self.routing_counts)
         return out
 
     def cache_stats(self) -> dict[str, Any]:
