@@ -1,0 +1,140 @@
+"""Routing end to end: the same workload through a real kvgate over HTTP to ``vllm_sim`` processes.
+
+The discrete-event benchmark (``bench/routing.py``) compares policies in one
+process; this one checks that the real gateway does what the simulation says.
+For each policy it starts a fresh kvgate process (replicas' KV pools reset),
+replays the workload through kvgate's HTTP API with streaming requests, and
+reads the fleet's prefix-cache hit ratio from the replicas' own
+``vllm:prefix_cache_hits_total`` / ``_queries_total`` counters, next to the
+ratio from ``usage.prompt_tokens_details.cached_tokens`` and TTFT measured
+by the client.
+
+    python -m bench.routing_e2e                       # shared-prefix + mtbench, 4 replicas
+    python -m bench.routing_e2e --workloads mtbench --requests 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from bench.chaos_fleet import Kvgate, _kill, free_port, kvgate_config, start_kvgate, start_sims
+from bench.routing_replay import Usage, replay, summarise
+from bench.workloads import Request, Workload
+from gateway.pool import parse_vllm_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix_affinity"]
+
+
+def build(name: str, args: argparse.Namespace) -> Workload:
+    if name == "shared_prefix":
+        from bench.workloads.shared_prefix import build as shared
+
+        return shared(groups=16, per_group=max(1, args.requests // 16), system_tokens=1024, question_tokens=64,
+                      output_tokens=16, rate=args.rate)
+    from bench.workloads.mtbench import build as mtbench
+
+    return mtbench(Path(args.data) / "conversations", rate=args.rate / 4, think_s=0.5, limit=args.requests // 3)
+
+
+async def _send_factory(gw: Kvgate, model: str) -> Any:
+    client = httpx.AsyncClient(base_url=gw.url, timeout=120, limits=httpx.Limits(max_connections=256))
+
+    async def send(req: Request) -> Usage:
+        body = {**req.body(), "model": model, "stream": True, "stream_options": {"include_usage": True}}
+        body["max_tokens"] = max(1, min(int(body.get("max_tokens") or req.output_tokens or 16), 32))
+        path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
+        t0 = time.perf_counter()
+        ttft = None
+        usage: dict[str, Any] = {}
+        async with client.stream("POST", path, content=orjson.dumps(body),
+                                 headers={"content-type": "application/json", **req.headers}) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"status {resp.status_code}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                obj = orjson.loads(line[6:])
+                if obj.get("usage"):
+                    usage = obj["usage"]
+        details = usage.get("prompt_tokens_details") or {}
+        return Usage(int(usage.get("prompt_tokens", 0)), details.get("cached_tokens"), ttft)
+
+    return client, send
+
+
+def _fleet_ratio(urls: list[str]) -> float:
+    hits = queries = 0.0
+    for url in urls:
+        m = parse_vllm_metrics(httpx.get(url + "/metrics", timeout=5).text)
+        hits += m.get("prefix_hits", 0.0)
+        queries += m.get("prefix_queries", 0.0)
+    return hits / queries if queries else 0.0
+
+
+async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: Path,
+                     args: argparse.Namespace) -> dict[str, Any]:
+    for s in sims:  # a cold fleet for every policy
+        httpx.post(s.url + "/sim/reset", timeout=5).raise_for_status()
+    port = free_port()
+    cfg = kvgate_config(port, sims, routing={"policy": policy},
+                        pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0})
+    gw = start_kvgate(workdir, cfg)
+    try:
+        client, send = await _send_factory(gw, "sim-model")
+        t0 = time.perf_counter()
+        results = await replay(workload, send, speed=args.speed, max_concurrency=args.concurrency)
+        wall = time.perf_counter() - t0
+        await client.aclose()
+        summary = summarise(results)
+        summary.update(policy=policy, fleet_hit_ratio=_fleet_ratio([s.url for s in sims]), wall_s=wall)
+        return summary
+    finally:
+        _kill(gw.proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--workloads", nargs="+", default=["shared_prefix", "mtbench"])
+    p.add_argument("--policies", nargs="+", default=POLICIES)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--requests", type=int, default=320)
+    p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (before --speed)")
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per replica (16-token blocks)")
+    args = p.parse_args(argv)
+    sims = start_sims([f"r{i + 1}" for i in range(args.replicas)], {
+        "kv_blocks": args.kv_blocks, "prefill_s_per_token": 0.00005,
+        "decode_base_s": 0.005, "max_num_seqs": 16})
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-route-e2e-"))
+    try:
+        print(f"{'workload':<14}{'policy':<18}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
+              f"{'ttft p50':>10}{'ttft p95':>10}{'errors':>8}")
+        for name in args.workloads:
+            workload = build(name, args)
+            for policy in args.policies:
+                r = asyncio.run(run_policy(policy, workload, sims, workdir, args))
+                print(f"{name:<14}{policy:<18}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
+                      f"{r['ttft_p50_s'] * 1000:>8.0f}ms{r['ttft_p95_s'] * 1000:>8.0f}ms{r['errors']:>8}", flush=True)
+    finally:
+        for s in sims:
+            s.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
