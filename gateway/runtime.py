@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import redis.asyncio as aioredis
 
 from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry
 from routing import RoutingPolicy, make_policy, resolve
 
+from . import redis_client
 from .metrics import Metrics
 from .pool import PoolEvents, Replica, ReplicaPool, snapshot
 from .settings import Settings, load_settings
@@ -43,13 +43,12 @@ def make_client(settings: Settings, transport: httpx.AsyncBaseTransport) -> http
                                                    connect=settings.timeouts.connect_s))
 
 
-def _redis(settings: Settings) -> aioredis.Redis | None:
+def _redis(settings: Settings) -> redis_client.Client | None:
     if settings.redis_url is None:
         return None
-    t = settings.redis_timeout_s
     # Short socket timeouts: a hung Redis must cost at most this, then breakers take over.
-    return aioredis.Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=t,
-                                   socket_connect_timeout=t, retry_on_timeout=False, health_check_interval=0)
+    return redis_client.connect(settings.redis_url.get_secret_value(), timeout_s=settings.redis_timeout_s,
+                                retry_on_timeout=False, health_check_interval=0)
 
 
 class Runtime:
@@ -96,7 +95,8 @@ class Runtime:
             from semantic_cache import SemanticCache
 
             url = self.settings.redis_url.get_secret_value() if self.settings.redis_url else None
-            self.cache = await SemanticCache.open(self.settings.semantic_cache, url, self.settings.redis_timeout_s)
+            self.cache = await SemanticCache.open(self.settings.semantic_cache, url, self.settings.redis_timeout_s,
+                                                  connect=redis_client.connector(url) if url else None)
         if self.settings.routing.dns_name:
             self.spawn(self._dns_loop())
         await self.pool.start()

@@ -117,6 +117,9 @@ class PoolSettings(_Section):
 class Settings(_Section):
     listen: ListenSettings = Field(default_factory=ListenSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    # Shared state (rate limits, runtime tenants, semantic cache). redis://host:port/db (or
+    # rediss://, unix://) is one server; redis+cluster://host:port (rediss+cluster:// for TLS)
+    # is a Redis Cluster, any node as the seed. See gateway/redis_client.py. Unset: per process.
     redis_url: SecretStr | None = None
     redis_timeout_s: float = Field(0.25, gt=0)
     replicas: list[ReplicaSettings] = Field(default_factory=list)

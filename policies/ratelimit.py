@@ -3,6 +3,8 @@
 Each tenant has one Redis hash holding a sliding-window counter (``window``);
 one Lua script rolls the window, decides and counts atomically, reading the
 Redis server's clock (``TIME``) so instances with skewed clocks still agree.
+The script touches that one key only, so on a Redis Cluster tenants spread over
+every shard (``redis`` may be a ``RedisCluster``).
 
 When Redis refuses, hangs or errors, a call costs at most ``timeout_s``; then a
 breaker opens for ``breaker_open_s`` and this instance decides alone with the
@@ -28,14 +30,14 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import anyio
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 
 from .breaker import Breaker
 from .tenants import Tenant
 from .window import Counter, admit, estimate, retry_after, roll, wait_s
 
-_FAULTS = (RedisError, OSError, TimeoutError)
+_FAULTS = (RedisError, RedisClusterException, OSError, TimeoutError)
 Source = Literal["redis", "local", "none"]
 
 _LUA = """
@@ -159,7 +161,7 @@ class _LocalCounters:
 
 
 class RateLimiter:
-    def __init__(self, redis: Redis | None, *, prefix: str = "kvgate:rl:", window_s: float = 60.0,
+    def __init__(self, redis: Redis | RedisCluster | None, *, prefix: str = "kvgate:rl:", window_s: float = 60.0,
                  timeout_s: float = 0.25, breaker_open_s: float = 5.0, local_fraction: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._redis = redis

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import anyio
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.client import PubSub
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from .errors import StoreUnavailable
 from .keys import key_id
 
-_FAULTS = (RedisError, OSError, TimeoutError)
+_FAULTS = (RedisError, RedisClusterException, OSError, TimeoutError)
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -170,36 +170,52 @@ return 1
 """
 
 
+def cluster_prefix(prefix: str) -> str:
+    """``prefix`` as a hash tag, so every key under it lands in one cluster slot
+    (``kvgate:tenants:`` -> ``{kvgate:tenants:}``); a prefix with a tag is kept."""
+    return prefix if "{" in prefix else "{" + prefix + "}"
+
+
+_LOAD_LUA = """
+return {redis.call('GET', KEYS[4]) or false, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]),
+        redis.call('SMEMBERS', KEYS[3])}
+"""
+
+
 class RedisTenantStore:
     """Runtime tenants in Redis, under ``prefix``; every call bounded by a deadline.
 
     ``redis`` is the shared client from the gateway's lifespan (give it a short
     socket timeout); this class adds its own deadline on top, because a paused
     Redis must cost at most ``timeout_s`` whatever the client's retry settings.
+
+    On a Redis Cluster (``redis`` is a ``RedisCluster``) the four keys share one
+    hash slot (``{kvgate:tenants:}tenants`` …), as the commit script and the load
+    transaction need; the change channel is cluster-wide (PUBLISH reaches every
+    node), so the subscription may sit on any node.
     """
 
-    def __init__(self, redis: Redis, *, prefix: str = "kvgate:tenants:", timeout_s: float = 0.25,
+    def __init__(self, redis: Redis | RedisCluster, *, prefix: str = "kvgate:tenants:", timeout_s: float = 0.25,
                  load_timeout_s: float = 2.0) -> None:
         self._redis = redis
         self._timeout_s = timeout_s
         self._load_timeout_s = load_timeout_s
-        self._names = [prefix + s for s in ("tenants", "keys", "revoked", "version")]
+        keys = cluster_prefix(prefix) if isinstance(redis, RedisCluster) else prefix
+        self._names = [keys + s for s in ("tenants", "keys", "revoked", "version")]
         self._channel = prefix + "changed"
         self._commit = redis.register_script(_COMMIT_LUA)
+        self._load = redis.register_script(_LOAD_LUA)
         self._pubsub: PubSub | None = None
 
     async def load(self) -> Snapshot:
-        t, k, r, v = self._names
         try:
             with anyio.fail_after(self._load_timeout_s):
-                async with self._redis.pipeline(transaction=True) as pipe:
-                    pipe.get(v)
-                    pipe.hgetall(t)
-                    pipe.hgetall(k)
-                    pipe.smembers(r)
-                    version, tenants, keys, revoked = await pipe.execute()
+                # One read-only script, atomic like the MULTI it replaces (redis-py's cluster
+                # MULTI breaks on reply callbacks, and a script works the same on both).
+                version, tenants, keys, revoked = await self._load(keys=self._names)
         except _FAULTS:
             raise StoreUnavailable() from None
+        tenants, keys = _pairs(tenants), _pairs(keys)
         return Snapshot(int(version or 0), _parse_tenants(tenants), _parse_keys(keys),
                         frozenset(_text(d) for d in revoked))
 
@@ -237,6 +253,10 @@ class RedisTenantStore:
             # The connection may already be gone; there is nothing else to release.
             with anyio.move_on_after(self._timeout_s), contextlib.suppress(*_FAULTS):
                 await pubsub.aclose()
+
+
+def _pairs(flat: list[Any]) -> dict[Any, Any]:
+    return dict(zip(flat[::2], flat[1::2]))
 
 
 def _text(v: bytes | str) -> str:

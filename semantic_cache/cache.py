@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import numpy as np
@@ -78,10 +78,12 @@ class SemanticCache:
     @classmethod
     async def open(cls, settings: SemanticCacheSettings, redis_url: str | None, redis_timeout_s: float = 0.25,
                    *, embedder: Embedder | None = None,
-                   http_client: httpx.AsyncClient | None = None) -> "SemanticCache":
+                   http_client: httpx.AsyncClient | None = None,
+                   connect: Callable[[float, float], Any] | None = None) -> "SemanticCache":
         """Start the cache. Never fails because Redis is down: it starts degraded and
         reconnects by itself. The embedding model loads in the background; until it
-        is ready the semantic tier is skipped (``wait_ready`` waits for it)."""
+        is ready the semantic tier is skipped (``wait_ready`` waits for it).
+        ``connect`` builds the Redis clients (``RedisStore``), e.g. for a cluster."""
         owned = None
         owns_embedder = embedder is None  # an injected embedder stays its owner's to close
         if embedder is None and settings.embedder == "remote" and http_client is None:
@@ -93,7 +95,9 @@ class SemanticCache:
             store = RedisStore(redis_url, timeout_s=redis_timeout_s, prefix=settings.key_prefix,
                                ttl_s=settings.ttl_s, embedder=embedder.name,
                                stream_maxlen=settings.stream_maxlen, sync_block_ms=settings.sync_block_ms,
-                               probe_interval_s=settings.probe_interval_s, instance_id=instance_id)
+                               probe_interval_s=settings.probe_interval_s, instance_id=instance_id,
+                               max_connections=settings.redis_max_connections,
+                               breaker_failures=settings.breaker_failures, connect=connect)
         else:
             store = MemoryStore()
         cache = cls(settings, store, embedder, owns_embedder=owns_embedder, owned_client=owned)

@@ -167,7 +167,11 @@ class LocalEmbedder:
 
             # Process-wide, but torch runs nowhere else in kvgate.
             torch.set_num_threads(self._threads)
-        self._model = self._loader()
+        model = self._loader()
+        # Warm up here, not on the first request: the first forward pass allocates.
+        model.encode(["warm up"], batch_size=1, normalize_embeddings=True, convert_to_numpy=True,
+                     show_progress_bar=False)
+        self._model = model
 
     def _encode_sync(self, texts: list[str]) -> np.ndarray:
         vectors = self._model.encode(texts, batch_size=max(len(texts), 1), normalize_embeddings=True,

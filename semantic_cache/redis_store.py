@@ -4,43 +4,70 @@ Layout (``P`` = ``settings.key_prefix``, default ``kvgate:sc:``):
 
 * ``P e:<id>``      hash: the entry (see ``store.encode_entry``), with a TTL.
 * ``P ns:<ns>``     sorted set: entry ids of a namespace scored by last use
-                    (ZPOPMIN evicts the least recently used).
+                    (the ``_EVICT`` script trims the least recently used).
 * ``P namespaces``  set of namespaces (purge-all, rebuild).
 * ``P log``         stream of ``add``/``del`` events, capped; instances tail it
                     to keep their in-memory indexes in sync within a second.
 
+On a Redis Cluster (``connect`` returns a ``RedisCluster``) ``P`` becomes a hash
+tag, ``{kvgate:sc:}``: every key above shares one slot, so the MULTI in ``put``
+and the eviction script stay atomic. The cache then lives on one shard (it does
+not spread over the cluster); the stream is one key anyway.
+
 Faults. Every call is bounded by the client's socket timeouts (connect and
 read = ``redis_timeout_s``) with no client retries, so a hung Redis costs at
-most one timeout. The first availability error opens a circuit breaker: from
-then on calls fail at once with ``StoreUnavailable`` (no socket is touched)
-until the background probe gets a PING through; then the breaker closes and
-``on_recover`` lets the cache resynchronise what it missed.
+most one timeout; at most ``max_connections`` calls are in flight, the rest
+wait (bounded by the same timeout) instead of opening sockets in a burst. A
+refused connection, or ``breaker_failures`` consecutive errors, open a circuit
+breaker: from then on calls fail at once with ``StoreUnavailable`` (no socket
+is touched) until the background probe gets a PING through; then the breaker
+closes and the sync loop resynchronises what it missed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .models import Entry
 from .store import PurgeFilter, StoreUnavailable, decode_entry, encode_entry
 
-_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError, TimeoutError)
 _CHUNK = 256
+
+# Keep the ``cap`` most recently used ids of a namespace; delete the rest with their hashes.
+_EVICT = """
+local cap = tonumber(ARGV[1])
+local victims = redis.call('ZRANGE', KEYS[1], 0, -(cap + 1))
+if #victims == 0 then return victims end
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(cap + 1))
+for _, id in ipairs(victims) do redis.call('DEL', ARGV[2] .. id) end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'op', 'del', 'id', table.concat(victims, ' '),
+           'src', ARGV[3])
+return victims
+"""
 
 
 class CircuitBreaker:
-    """Closed: calls go through. Open: calls fail fast until ``reset``."""
+    """Closed: calls go through. Open: calls fail fast until ``reset``.
 
-    def __init__(self) -> None:
+    Opens after ``threshold`` consecutive availability errors, or at once on a
+    refused connection (nothing is listening: no point in asking again). One
+    slow reply in a burst should not turn the cache off; a hung server fails
+    every in-flight call together, so it still opens after one timeout's wait.
+    """
+
+    def __init__(self, threshold: int = 3) -> None:
+        self.threshold = threshold
+        self.failures = 0
         self.open_since: float | None = None
         self.trips = 0
         self.last_error = ""
@@ -49,14 +76,35 @@ class CircuitBreaker:
     def is_open(self) -> bool:
         return self.open_since is not None
 
-    def trip(self, error: str) -> None:
-        if self.open_since is None:
+    def failure(self, error: str, *, fatal: bool = False) -> None:
+        self.failures += 1
+        self.last_error = error
+        if (fatal or self.failures >= self.threshold) and self.open_since is None:
             self.open_since = time.monotonic()
             self.trips += 1
-        self.last_error = error
+
+    def success(self) -> None:
+        self.failures = 0
 
     def reset(self) -> None:
+        self.failures = 0
         self.open_since = None
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """Whether a connection was refused (redis-py wraps the OSError; walk the chain)."""
+    for _ in range(5):
+        if exc is None:
+            return False
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _describe(exc: BaseException) -> str:
+    inner = exc.__cause__ or exc.__context__
+    return f"{exc!r} ({inner!r})" if inner is not None else repr(exc)
 
 
 def _client(url: str, timeout_s: float) -> aioredis.Redis:
@@ -67,8 +115,13 @@ def _client(url: str, timeout_s: float) -> aioredis.Redis:
 
 class RedisStore:
     def __init__(self, url: str, *, timeout_s: float, prefix: str, ttl_s: int, embedder: str,
-                 stream_maxlen: int, sync_block_ms: int, probe_interval_s: float, instance_id: str) -> None:
+                 stream_maxlen: int, sync_block_ms: int, probe_interval_s: float, instance_id: str,
+                 max_connections: int = 32, breaker_failures: int = 3,
+                 connect: Callable[[float, float], Any] | None = None) -> None:
+        """``connect(timeout_s, read_timeout_s)`` builds a client (e.g. a ``RedisCluster``,
+        see ``gateway.redis_client``); by default a single-server client for ``url``."""
         self._timeout = timeout_s
+        self._slots = asyncio.Semaphore(max_connections)
         self._me = instance_id
         self._p = prefix
         self._ttl = ttl_s
@@ -76,11 +129,13 @@ class RedisStore:
         self._maxlen = stream_maxlen
         self._block_ms = sync_block_ms
         self._probe_interval = probe_interval_s
-        self._r = _client(url, timeout_s)
+        connect = connect or (lambda t, read: _client(url, read))
+        self._r = connect(timeout_s, timeout_s)
         # The log reader blocks server-side for up to block_ms: its read timeout must exceed that.
-        self._tail = _client(url, timeout_s + sync_block_ms / 1000)
-        self.breaker = CircuitBreaker()
-        self.on_recover: Callable[[], Awaitable[None]] | None = None
+        self._tail = connect(timeout_s, timeout_s + sync_block_ms / 1000)
+        if isinstance(self._r, aioredis.RedisCluster) and "{" not in prefix:
+            self._p = "{" + prefix + "}"  # one hash slot for every key (see the module docstring)
+        self.breaker = CircuitBreaker(breaker_failures)
         self._probe: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -97,14 +152,32 @@ class RedisStore:
         Typed ``Any``: redis-py annotates replies as unions of every RESP type."""
         if self.breaker.is_open:
             raise StoreUnavailable("redis circuit breaker open")
+        if client is not None:
+            return await self._guarded(fn, client)
+        # Bound the connections in use: a burst of requests queues here (briefly) instead of
+        # opening hundreds of sockets whose handshakes time out and look like an outage.
         try:
-            return await fn(client or self._r)
+            async with asyncio.timeout(self._timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise StoreUnavailable("redis client busy") from None
+        try:
+            return await self._guarded(fn, self._r)
+        finally:
+            self._slots.release()
+
+    async def _guarded(self, fn: Callable[[aioredis.Redis], Any], client: aioredis.Redis) -> Any:
+        try:
+            result = await fn(client)
         except _UNAVAILABLE as exc:
-            self.breaker.trip(repr(exc))
-            self._ensure_probe()
+            self.breaker.failure(_describe(exc), fatal=_refused(exc))
+            if self.breaker.is_open:
+                self._ensure_probe()
             raise StoreUnavailable(repr(exc)) from exc
         except RedisError as exc:  # a server-side error (wrong type, OOM): not an outage
             raise StoreUnavailable(repr(exc)) from exc
+        self.breaker.success()
+        return result
 
     # ---- health ----
 
@@ -128,9 +201,8 @@ class RedisStore:
             except (*_UNAVAILABLE, RedisError) as exc:
                 self.breaker.last_error = repr(exc)
                 continue
+            # The sync loop sees ``healthy`` again and resynchronises (events were missed).
             self.breaker.reset()
-            if self.on_recover is not None:
-                await self.on_recover()
 
     # ---- entries ----
 
@@ -168,10 +240,12 @@ class RedisStore:
         card = (await self._call(op))[-1]
         if card <= cap:
             return []
-        popped = await self._call(lambda r: r.zpopmin(nskey, card - cap))
-        evicted = [m.decode() for m, _ in popped]
-        await self._delete(evicted)
-        return evicted
+        # One atomic script: concurrent puts that each saw "over the cap" must not each
+        # evict their own surplus (that empties a namespace), and an evicted id must lose
+        # its hash in the same step, before another put can re-create it.
+        victims = await self._call(lambda r: r.eval(
+            _EVICT, 2, nskey, self._k("log"), cap, self._k("e:"), self._me, self._maxlen))
+        return [v.decode() if isinstance(v, bytes) else str(v) for v in victims]
 
     async def _delete(self, ids: list[str]) -> None:
         for i in range(0, len(ids), _CHUNK):

@@ -39,8 +39,9 @@ class SemanticCacheSettings(_Section):
     embedding_model: str = "all-MiniLM-L6-v2"
     # For the remote embedder: an OpenAI-compatible /v1/embeddings endpoint (full URL).
     embedding_url: str | None = None
-    # A lookup waits at most this long for its embedding, then counts as a miss.
-    embed_timeout_s: float = Field(2.0, gt=0)
+    # A lookup waits at most this long for its embedding, then counts as a miss: a
+    # starved model must not add seconds to time-to-first-token (one query: ~15 ms).
+    embed_timeout_s: float = Field(0.5, gt=0)
     # Torch threads for the local model. One: on a shared 2-core box a second OpenMP
     # thread spin-waits against the event loop (measured p50 for one query: 13 ms with 1
     # thread, 115 ms with 2 under load). Raise it on a dedicated embedding host.
@@ -55,6 +56,10 @@ class SemanticCacheSettings(_Section):
     # Redis layout and fault handling.
     key_prefix: str = "kvgate:sc:"
     probe_interval_s: float = Field(1.0, gt=0)
+    # Redis calls in flight at once (more queue, briefly); consecutive failures that open
+    # the breaker (a refused connection opens it at once).
+    redis_max_connections: int = Field(32, ge=1)
+    breaker_failures: int = Field(3, ge=1)
     resync_interval_s: float = Field(60.0, gt=0)
     sync_block_ms: int = Field(500, ge=10, le=10_000)
     stream_maxlen: int = Field(100_000, ge=100)

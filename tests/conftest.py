@@ -1,4 +1,4 @@
-"""Shared fixtures: anyio on asyncio, a real Redis (REDIS_URL or a private one)."""
+"""Shared fixtures: anyio on asyncio, a real Redis (REDIS_URL or a private one), a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from tests.support.redis_cluster import PrivateRedisCluster  # noqa: E402
 from tests.support.redis_server import PrivateRedis, redis_url_from_env  # noqa: E402
 
 
@@ -41,3 +42,14 @@ def private_redis() -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[PrivateRedisCluster]:
+    """A private 3-primary Redis Cluster for the session (``.url`` is ``redis+cluster://…``).
+    Tests keep to their own key prefixes; nothing else uses it."""
+    cluster = PrivateRedisCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

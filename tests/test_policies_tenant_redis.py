@@ -8,10 +8,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
-import redis
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
@@ -19,6 +19,8 @@ from gateway.settings import TenantSettings
 from policies.errors import InvalidApiKey, StoreUnavailable, TenantsUnavailable
 from policies.tenant_store import RedisTenantStore
 from policies.tenants import TenantRegistry
+from gateway.redis_client import connect
+from tests.support.redis_cluster import delete_prefix
 from tests.support.redis_server import PrivateRedis
 
 SECRET = "redis-test-secret"
@@ -32,11 +34,17 @@ def config() -> list[TenantSettings]:
 
 @asynccontextmanager
 async def client(url: str) -> AsyncIterator[Redis]:
-    r = Redis.from_url(url, socket_timeout=0.25, socket_connect_timeout=0.25)
+    r: Any = connect(url, timeout_s=0.25)  # a RedisCluster for redis+cluster:// URLs
     try:
         yield r
     finally:
         await r.aclose()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_service(request: pytest.FixtureRequest, redis_service: str) -> str:
+    """Every shared-Redis test runs against one server and against a 3-node Redis Cluster."""
+    return redis_service if request.param == "redis" else request.getfixturevalue("redis_cluster").url
 
 
 @pytest.fixture
@@ -44,13 +52,7 @@ def pfx(redis_service: str) -> Iterator[str]:
     """A key prefix of this test's own on the shared Redis, deleted afterwards."""
     prefix = f"kvgate-test:{uuid.uuid4().hex[:8]}:"
     yield prefix
-    sync = redis.Redis.from_url(redis_service)
-    try:
-        keys = list(sync.scan_iter(match=prefix + "*"))
-        if keys:
-            sync.delete(*keys)
-    finally:
-        sync.close()
+    delete_prefix(redis_service, prefix)
 
 
 async def eventually(check: Callable[[], bool], within_s: float) -> float:
@@ -75,7 +77,7 @@ def authenticates(reg: TenantRegistry, key: str, tenant: str | None) -> Callable
 async def dump(r: Redis, pfx: str) -> bytes:
     """Every byte stored under the prefix."""
     out = b""
-    async for name in r.scan_iter(match=pfx + "*"):
+    async for name in r.scan_iter(match="*" + pfx + "*"):  # "{pfx}…" on a cluster
         kind = await r.type(name)
         if kind == b"hash":
             out += b"".join(k + v for k, v in (await r.hgetall(name)).items())

@@ -71,8 +71,11 @@ async def test_killed_redis_degrades_to_fast_misses_and_recovers(cache_on: Seman
     assert await cache.store(req(), ANSWER)
     assert (await cache.lookup(req())).status == "hit"
     private_redis.stop()
-    result, took = await timed(cache.lookup(req()))
-    assert result.status == "miss" and result.reason == "store_unavailable" and took < 2 * TIMEOUT_S + 0.1
+    for _ in range(3):  # the pooled socket fails first (reset), then a reconnect is refused
+        result, took = await timed(cache.lookup(req()))
+        assert result.status == "miss" and result.reason == "store_unavailable" and took < 2 * TIMEOUT_S + 0.1
+        if not cache.healthy:
+            break
     assert not cache.healthy and cache.stats()["redis"] == "degraded"
     # The breaker is open: later calls do not touch the socket at all.
     for _ in range(20):
