@@ -6,20 +6,15 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 import pytest
-from redis.asyncio import Redis
 
 from gateway.settings import TenantSettings
 from policies.ratelimit import UNLIMITED, RateLimiter
 from policies.tenants import Tenant, tenant_from_settings
 from policies.window import Counter, admit, estimate, retry_after, roll, wait_s
-from gateway.redis_client import connect
-from tests.support.redis_cluster import delete_prefix
+from tests.support.redis_fixtures import client, pfx, redis_service  # noqa: F401 (fixtures)
 from tests.support.redis_server import PrivateRedis
 
 
@@ -37,27 +32,6 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(params=["redis", "cluster"])
-def redis_service(request: pytest.FixtureRequest, redis_service: str) -> str:
-    """Every shared-Redis test runs against one server and against a 3-node Redis Cluster."""
-    return redis_service if request.param == "redis" else request.getfixturevalue("redis_cluster").url
-
-
-@pytest.fixture
-def pfx(redis_service: str) -> Iterator[str]:
-    """A key prefix of this test's own on the shared Redis, deleted afterwards."""
-    prefix = f"kvgate-test:{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    delete_prefix(redis_service, prefix)
-
-
-@asynccontextmanager
-async def client(url: str) -> AsyncIterator[Redis]:
-    r: Any = connect(url, timeout_s=0.25)  # a RedisCluster for redis+cluster:// URLs
-    try:
-        yield r
-    finally:
-        await r.aclose()
 
 
 # -- the arithmetic ------------------------------------------------------------------

@@ -6,9 +6,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -19,8 +17,7 @@ from gateway.settings import TenantSettings
 from policies.errors import InvalidApiKey, StoreUnavailable, TenantsUnavailable
 from policies.tenant_store import RedisTenantStore
 from policies.tenants import TenantRegistry
-from gateway.redis_client import connect
-from tests.support.redis_cluster import delete_prefix
+from tests.support.redis_fixtures import client, pfx, redis_service  # noqa: F401 (fixtures)
 from tests.support.redis_server import PrivateRedis
 
 SECRET = "redis-test-secret"
@@ -32,27 +29,8 @@ def config() -> list[TenantSettings]:
     return [TenantSettings(name="acme", api_keys=[SecretStr(KEY_A)])]
 
 
-@asynccontextmanager
-async def client(url: str) -> AsyncIterator[Redis]:
-    r: Any = connect(url, timeout_s=0.25)  # a RedisCluster for redis+cluster:// URLs
-    try:
-        yield r
-    finally:
-        await r.aclose()
 
 
-@pytest.fixture(params=["redis", "cluster"])
-def redis_service(request: pytest.FixtureRequest, redis_service: str) -> str:
-    """Every shared-Redis test runs against one server and against a 3-node Redis Cluster."""
-    return redis_service if request.param == "redis" else request.getfixturevalue("redis_cluster").url
-
-
-@pytest.fixture
-def pfx(redis_service: str) -> Iterator[str]:
-    """A key prefix of this test's own on the shared Redis, deleted afterwards."""
-    prefix = f"kvgate-test:{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    delete_prefix(redis_service, prefix)
 
 
 async def eventually(check: Callable[[], bool], within_s: float) -> float:
