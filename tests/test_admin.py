@@ -38,6 +38,16 @@ def test_tokens_401_and_tenant_keys_403(stack: Stack) -> None:
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
 
 
+def test_the_sdk_sees_403_for_a_tenant_key_on_the_admin_api(stack: Stack) -> None:
+    assert stack.admin is not None
+    sdk = openai.OpenAI(base_url=stack.admin.url, api_key="sk-acme-1", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        sdk.get("/admin/tenants", cast_to=object)
+    assert e.value.status_code == 403 and "sk-acme-1" not in str(e.value.body)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=stack.admin.url, api_key="nope", max_retries=0).get("/admin/tenants", cast_to=object)
+
+
 def test_reads_are_get_mutations_are_not(admin: httpx.Client) -> None:
     assert admin.get("/admin/cache/purge").status_code == 405
     assert admin.get("/admin/replicas/r1/drain").status_code == 405
