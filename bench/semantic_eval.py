@@ -156,21 +156,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     retrieval_rows = load_pairs(data / f"{RETRIEVAL_SET}.jsonl", 0, args.seed)
     results: dict[str, list[dict[str, Any]]] = {}
     retrieval: dict[str, dict[str, Any]] = {}
+    faults: dict[str, int] = {}
     for cname, settings in configs.items():
-        results[cname] = []
-        for name, rows in sets.items():
+        results[cname], faults[cname] = [], 0
+        for name, rows in [*sets.items(), (RETRIEVAL_SET, retrieval_rows)]:
             # A fresh cache per set keeps memory flat; pairs are isolated by namespace anyway.
             cache = await SemanticCache.open(settings, None, embedder=memo)
             t0 = time.monotonic()
-            results[cname].append(await eval_pairs(cache, name, rows))
+            if name == RETRIEVAL_SET:
+                retrieval[cname] = await eval_retrieval(cache, rows)
+            else:
+                results[cname].append(await eval_pairs(cache, name, rows))
+            # Anything but a clean hit or miss would bias the numbers: count it.
+            stats = cache.stats()
+            faults[cname] += sum(n for reason, n in stats["miss"].items()
+                                 if reason in ("embedder_error", "error", "embedder_not_ready"))
+            faults[cname] += sum(n for reason, n in stats["stores"].items() if reason.startswith("failed"))
             print(f"[{cname}] {name}: {len(rows)} pairs in {time.monotonic() - t0:.0f}s", file=sys.stderr)
             await cache.aclose()
-        cache = await SemanticCache.open(settings, None, embedder=memo)
-        retrieval[cname] = await eval_retrieval(cache, retrieval_rows)
-        await cache.aclose()
     await inner.aclose()
     print_tables(results, retrieval)
-    return {"pairs": results, "retrieval": retrieval, "limit": args.limit, "seed": args.seed}
+    print(f"\nfaulted lookups/stores (must be 0): {faults}")
+    return {"pairs": results, "retrieval": retrieval, "faults": faults, "limit": args.limit, "seed": args.seed}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -186,7 +186,10 @@ class RedisStore:
         try:
             await self._call(lambda r: r.ping())
             return True
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            # Degraded from the first request on, not after a few more timeouts.
+            self.breaker.failure(f"start-up: {exc}", fatal=True)
+            self._ensure_probe()
             return False
 
     def _ensure_probe(self) -> None:

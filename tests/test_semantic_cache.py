@@ -251,3 +251,30 @@ async def test_concurrent_stores_and_lookups_stay_consistent(make_cache: Make, r
             assert client.zcard(f"{cache.settings.key_prefix}ns:{ns}") == n
     finally:
         client.close()
+
+
+async def test_injected_redis_connector_is_used(redis_service: str) -> None:
+    """The gateway builds the clients (single server or cluster); the cache asks for two."""
+    import redis.asyncio as aioredis
+
+    made: list[tuple[float, float]] = []
+
+    def connect(timeout_s: float, read_timeout_s: float) -> aioredis.Redis:
+        made.append((timeout_s, read_timeout_s))
+        return aioredis.Redis.from_url(redis_service, socket_timeout=read_timeout_s,
+                                       socket_connect_timeout=timeout_s)
+
+    prefix = f"kvgate:sc:test-{uuid.uuid4().hex[:8]}:"
+    cache = await SemanticCache.open(settings(key_prefix=prefix), redis_service, 0.2, connect=connect)
+    try:
+        await cache.wait_ready(5)
+        assert made == [(0.2, 0.2), (0.2, pytest.approx(0.3))]  # commands; the blocking log reader
+        assert await cache.store(chat_req("What is the capital of France?"), ANSWER)
+        assert (await cache.lookup(chat_req("What is the capital of France?"))).tier == "exact"
+    finally:
+        await cache.purge()
+        await cache.aclose()
+        client = redis.Redis.from_url(redis_service)
+        for key in client.scan_iter(prefix + "*"):
+            client.delete(key)
+        client.close()
