@@ -83,10 +83,14 @@ def _fleet_ratio(urls: list[str]) -> float:
     return hits / queries if queries else 0.0
 
 
+def reset(sims: list[Any]) -> None:
+    """A cold fleet for every policy: KV pools and counters cleared."""
+    for s in sims:
+        httpx.post(s.url + "/sim/reset", timeout=5).raise_for_status()
+
+
 async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: Path,
                      args: argparse.Namespace) -> dict[str, Any]:
-    for s in sims:  # a cold fleet for every policy
-        httpx.post(s.url + "/sim/reset", timeout=5).raise_for_status()
     port = free_port()
     cfg = kvgate_config(port, sims, routing={"policy": policy},
                         pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0})
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.workloads:
             workload = build(name, args)
             for policy in args.policies:
+                reset(sims)
                 r = asyncio.run(run_policy(policy, workload, sims, workdir, args))
                 print(f"{name:<14}{policy:<18}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
                       f"{r['ttft_p50_s'] * 1000:>8.0f}ms{r['ttft_p95_s'] * 1000:>8.0f}ms{r['errors']:>8}", flush=True)

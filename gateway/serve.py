@@ -40,7 +40,8 @@ def run(main: Any) -> Any:
     return uvloop.run(main)
 
 
-def make_server(app: Any, host: str, port: int, *, lifespan: Literal["auto", "on", "off"] = "on", header_timeout_s: float = 10.0,
+def make_server(app: Any, host: str, port: int, *, lifespan: Literal["auto", "on", "off"] = "on",
+                header_timeout_s: float = 10.0,
                 grace_s: float = 30.0, **kw: Any) -> uvicorn.Server:
     config = uvicorn.Config(app, host=host, port=port, lifespan=lifespan, log_config=None, access_log=False,
                             timeout_keep_alive=30, http=protocol_with_header_deadline(header_timeout_s),

@@ -204,7 +204,7 @@ async def test_disconnect_during_non_streaming_request_aborts_promptly() -> None
                 await c.post("/v1/chat/completions", json=chat("x", max_tokens=3))
         elapsed = await asyncio.to_thread(wait_for, lambda: _aborted(s) == 1)
         assert elapsed < 1.0
-        stats = httpx.get(s.url + "/sim/stats").json()
+        stats = (await asyncio.to_thread(httpx.get, s.url + "/sim/stats")).json()
         assert stats["aborted"] == 1 and stats["running"] == 0 and len(stats["aborts"]) == 1
 
 

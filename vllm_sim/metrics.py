@@ -8,6 +8,8 @@ for the same metrics, so any Prometheus parser reads it.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import Engine
 
@@ -16,7 +18,7 @@ __all__ = ["CONTENT_TYPE", "render_metrics"]
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
-def _labels(pairs: dict[str, object]) -> str:
+def _labels(pairs: Mapping[str, object]) -> str:
     inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in pairs.items())
     return "{" + inner + "}"
 
@@ -25,7 +27,7 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-Sample = tuple[dict[str, object], float]
+Sample = tuple[Mapping[str, object], float]
 
 
 def _family(lines: list[str], name: str, kind: str, help_: str, samples: list[Sample]) -> None:

@@ -61,6 +61,8 @@ def resolve_model(body: dict[str, Any], config: SimConfig) -> str:
 
 def parse_generation(kind: Kind, body: dict[str, Any], config: SimConfig) -> GenerationParams:
     model = resolve_model(body, config)
+    text: str | None
+    ids: list[int] | None
     if kind == "chat":
         text, ids = _chat_prompt(body), None
         max_tokens = _opt_int(body, "max_completion_tokens", 1)
