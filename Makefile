@@ -25,6 +25,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff mypy
 	$(BIN)/ruff check gateway routing semantic_cache policies vllm_sim bench tests
+	$(BIN)/mypy gateway routing semantic_cache policies vllm_sim
 
 clean:
 	rm -rf $(VENV) build *.egg-info
