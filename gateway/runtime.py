@@ -91,6 +91,7 @@ class Runtime:
             log.warning("tenant store unavailable at start-up; serving config tenants")
         if self.redis is not None:
             self.spawn(registry.watch())
+            self.spawn(self._probe_rate_limits())
         if self.settings.semantic_cache.enabled:
             from semantic_cache import SemanticCache
 
@@ -120,6 +121,12 @@ class Runtime:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         return task
+
+    async def _probe_rate_limits(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self.engine.limiter.degraded:
+                await self.engine.limiter.probe()
 
     def _on_eject(self, replica: Replica) -> None:
         self.metrics.ejections.labels(replica.name).inc()

@@ -187,6 +187,25 @@ class RateLimiter:
         rpm, tpm = self._limits(tenant, outcome.source)
         return decide(outcome, rpm, tpm, self._window_s, cost_requests, cost_tok)
 
+    async def probe(self) -> bool:
+        """Ping Redis when the breaker allows a probe; True once limits are shared again.
+
+        Requests probe as they come; this lets an idle gateway notice the recovery
+        too, so /readyz stops reporting the local fallback without waiting for traffic.
+        """
+        if self._redis is None or not self._breaker.degraded:
+            return True
+        if not self._breaker.allow():
+            return False
+        try:
+            with anyio.fail_after(self._timeout_s):
+                await self._redis.ping()
+        except _FAULTS:
+            self._breaker.failure()
+            return False
+        self._breaker.success()
+        return True
+
     async def record_tokens(self, tenant: Tenant, tokens: int) -> None:
         """Count tokens used (beyond any reservation made in ``check``)."""
         if tenant.tpm is None or tokens == 0:

@@ -225,3 +225,21 @@ async def test_the_lua_script_and_the_local_arithmetic_agree(redis_service: str,
             assert (a.allowed, a.reason, a.requests_remaining, a.tokens_remaining) == (
                 b.allowed, b.reason, b.requests_remaining, b.tokens_remaining), (op, n)
             assert abs(a.retry_after_s - b.retry_after_s) <= 1
+
+
+@pytest.mark.anyio
+async def test_an_idle_limiter_notices_redis_is_back_by_probing(private_redis: PrivateRedis) -> None:
+    t = tenant(rpm=1000)
+    assert private_redis.proc is not None
+    async with client(private_redis.url) as r:
+        limiter = RateLimiter(r, timeout_s=0.2, breaker_open_s=0.3)
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
+        try:
+            assert (await limiter.check(t)).source == "local" and limiter.degraded
+            assert not await limiter.probe()  # still paused (or the breaker still closed to probes)
+        finally:
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 3
+        while not await limiter.probe() and time.monotonic() < deadline:  # no request in between
+            await anyio.sleep(0.1)
+        assert not limiter.degraded
