@@ -6,7 +6,8 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -80,12 +81,19 @@ async def test_redis_holds_digests_never_plaintext(redis_service: str, pfx: str)
         assert reg.authenticate(rotated.api_key).name == "acme"
 
 
-async def test_two_instances_see_each_others_changes_within_a_second(redis_service: str, pfx: str) -> None:
-    async with client(redis_service) as ra, client(redis_service) as rb:
+@asynccontextmanager
+async def two_registries(url: str, pfx: str) -> AsyncIterator[tuple[TenantRegistry, TenantRegistry]]:
+    """Two kvgate instances' registries on one Redis, each with its own connection, loaded."""
+    async with client(url) as ra, client(url) as rb:
         a = TenantRegistry(config(), SECRET, RedisTenantStore(ra, prefix=pfx))
         b = TenantRegistry(config(), SECRET, RedisTenantStore(rb, prefix=pfx))
         await a.load()
         await b.load()
+        yield a, b
+
+
+async def test_two_instances_see_each_others_changes_within_a_second(redis_service: str, pfx: str) -> None:
+    async with two_registries(redis_service, pfx) as (a, b):
         async with anyio.create_task_group() as tg:
             tg.start_soon(a.watch)
             tg.start_soon(b.watch)
@@ -103,11 +111,7 @@ async def test_two_instances_see_each_others_changes_within_a_second(redis_servi
 
 
 async def test_changes_are_published_not_only_polled(redis_service: str, pfx: str) -> None:
-    async with client(redis_service) as ra, client(redis_service) as rb:
-        a = TenantRegistry(config(), SECRET, RedisTenantStore(ra, prefix=pfx))
-        b = TenantRegistry(config(), SECRET, RedisTenantStore(rb, prefix=pfx))
-        await a.load()
-        await b.load()
+    async with two_registries(redis_service, pfx) as (a, b):
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: b.watch(poll_s=10.0))  # a poll would take 10 s
             await anyio.sleep(0.2)  # subscribed

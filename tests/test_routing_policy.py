@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,15 +16,8 @@ from routing.prefix_affinity import PrefixAffinity
 from routing.rendezvous import rendezvous_order, split_by_load
 from routing.round_robin import RoundRobin
 
-
-@dataclass(eq=False)
-class View:
-    name: str
-    weight: float = 1.0
-    in_flight: int = 0
-    waiting: float | None = None
-    running: float | None = None
-    kv_usage: float | None = None
+# The benchmark's replica view is the same fake of routing.base.ReplicaView.
+from bench.routing_sim import SimView as View
 
 
 class Clock:
