@@ -55,8 +55,10 @@ POLICIES: dict[str, PolicyFactory] = {
     "sglang_cache_aware": lambda clock: SGLangCacheAware(),
     "llm-d": lambda clock: LLMDScorers(),
     "kubeai_chwbl": lambda clock: KubeAICHWBL(),
-    "prefix_affinity": lambda clock: PrefixAffinity(RoutingSettings(), clock),
+    "prefix_affinity": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
 }
+# ``--set hot_fraction=0.5``: kvgate's own settings under test, for tuning runs.
+PA_SETTINGS = RoutingSettings()
 # Policies also run as several independent gateway instances (no shared state).
 MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity")
 
@@ -173,11 +175,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a routing setting of prefix_affinity (repeatable)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    global PA_SETTINGS
+    PA_SETTINGS = RoutingSettings.model_validate(dict(kv.split("=", 1) for kv in args.set))
     started = time.perf_counter()
     reports = []
     for name in args.workloads:

@@ -10,7 +10,8 @@ Three layers, each with one job:
    eligible replicas, with bounded load. A replica is skipped (moved to the
    back) when its time-averaged *shared* load (scraped running + waiting) is
    past (1 + epsilon) x mean, or its load right now (with this instance's
-   in-flight) is past (1 + burst_epsilon) x mean. The averaged view is the
+   in-flight) is past (1 + burst_epsilon) x mean (optionally a tighter
+   ``new_key_epsilon`` for keys no replica holds yet). The averaged view is the
    same on every gateway instance, so they move a key off an overloaded
    replica together; the instantaneous check only stops a pile-up.
 3. **Follow** (``routing.block_index``): if the first choice is not known to
@@ -53,6 +54,7 @@ _MAX_REPLICA_IDS = 4096
 # requests per replica, such differences are Poisson noise, not imbalance.
 _STEADY_FLOOR = 2.0
 _BURST_FLOOR = 4.0
+_NEW_KEY_FLOOR = 1.0
 
 
 class ReplicaBits:
@@ -148,7 +150,14 @@ class PrefixAffinity:
         weights = [r.weight for r in order]
         now = [load_of(r) for r in order]
         shed = shed_fractions([self.load.get(r) for r in order], weights, self.settings.epsilon, _STEADY_FLOOR)
-        burst = within_bound(now, weights, self.settings.burst_epsilon, _BURST_FLOOR)
+        eps, floor = self.settings.burst_epsilon, _BURST_FLOOR
+        new_eps = self.settings.new_key_epsilon
+        if new_eps is not None and new_eps < eps and not self.index.holders(key):
+            # Nobody is known to hold this key yet (a new conversation, a one-off
+            # prompt): placing it elsewhere costs nothing now. Off by default: other
+            # instances do not know where it went, so its next turns may miss.
+            eps, floor = new_eps, _NEW_KEY_FLOOR
+        burst = within_bound(now, weights, eps, floor)
         fits = [b and not sheds(key, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]
         inside = [r for r, ok in zip(order, fits) if ok]
         over = sorted((i for i, ok in enumerate(fits) if not ok), key=lambda i: (now[i], i))

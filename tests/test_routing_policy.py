@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 
 from hypothesis import given, settings
@@ -119,6 +118,26 @@ def test_a_hot_shared_prefix_spreads_under_load() -> None:
     assert shed[home.name] < 400 / 8 / 2
 
 
+def test_a_new_key_avoids_a_busy_replica_that_a_warm_key_keeps() -> None:
+    # Mildly busy first choice (past 1.25 x mean, within 2 x mean): a new conversation
+    # is placed elsewhere for free (new_key_epsilon, one gateway instance); a
+    # conversation already warm there stays.
+    policy, loose, replicas = PrefixAffinity(RoutingSettings(new_key_epsilon=0.25)), PrefixAffinity(), fleet()
+    warm_up(policy, replicas)
+    warm_up(loose, replicas)
+    for r in replicas:
+        r.in_flight = 4
+    warm, new = turn(9, 1), turn(10, 1)
+    home = policy.prefer(warm, replicas)[0]
+    policy.observe(warm, RouteFeedback(home.name, None, None, True))
+    new_home = policy.peek(new, replicas)[0]
+    for r in (home, new_home):
+        r.in_flight = 6
+    assert policy.prefer(turn(9, 2), replicas)[0] is home
+    assert policy.prefer(new, replicas)[0] not in (home, new_home)
+    assert loose.prefer(new, replicas)[0] is new_home
+
+
 def test_bounded_load_split_keeps_order_and_sorts_the_rest_by_load() -> None:
     replicas = fleet(4)
     for r, load in zip(replicas, (10, 0, 9, 1)):
@@ -185,21 +204,6 @@ def test_round_robin_and_least_load_orders() -> None:
     assert [rr.prefer(turn(0, 1), replicas)[0].name for _ in range(4)] == ["r0", "r1", "r2", "r0"]
     replicas[0].in_flight, replicas[1].in_flight = 5, 1
     assert [r.name for r in LeastLoad().prefer(turn(0, 1), replicas)] == ["r2", "r1", "r0"]
-
-
-def test_routing_a_typical_chat_request_costs_well_under_100_microseconds() -> None:
-    policy, replicas = PrefixAffinity(), fleet()
-    warm_up(policy, replicas, 300)
-    requests = [turn(conv, 1 + conv % 4) for conv in range(1000)]
-    best = float("inf")
-    for batch in range(10):  # the best batch: a shared CI machine adds noise, never speed
-        chunk = requests[batch * 100:(batch + 1) * 100]
-        started = time.perf_counter()
-        for q in chunk:
-            policy.prefer(q, replicas)
-        best = min(best, (time.perf_counter() - started) / len(chunk))
-    # About 80 us measured on an idle core (render, hash, walk ~21 cuts, rendezvous, bounds).
-    assert best < 300e-6, f"{best * 1e6:.0f} us"
 
 
 def test_popularity_needs_repeated_evidence_before_a_prefix_is_wide() -> None:
