@@ -7,7 +7,8 @@ Three layers, each with one job:
    Requests that share it share a key: a conversation's turns, a tenant's
    or an organisation's requests behind a global system prompt.
 2. **Order** (``routing.rendezvous``): the key's rendezvous order over the
-   eligible replicas, with bounded load. A replica is skipped (moved to the
+   eligible replicas (a heavy key's packed home first, ``routing.placement``),
+   with bounded load. A replica is skipped (moved to the
    back) when its time-averaged *shared* load (scraped running + waiting) is
    past (1 + epsilon) x mean, or its load right now (with this instance's
    in-flight) is past (1 + burst_epsilon) x mean (optionally a tighter
@@ -39,6 +40,7 @@ from .base import ReplicaView, RouteFeedback, RouteRequest, load_of
 from .block_index import BlockIndex
 from .keys import PrefixInfo, PrefixKeyer, analyse
 from .load import SharedLoad
+from .placement import Placement
 from .rendezvous import rendezvous_order, shed_fractions, sheds, within_bound
 from .settings import RoutingSettings
 
@@ -55,6 +57,8 @@ _MAX_REPLICA_IDS = 4096
 _STEADY_FLOOR = 2.0
 _BURST_FLOOR = 4.0
 _NEW_KEY_FLOOR = 1.0
+# Heavy keys are packed to half the load bound: room for estimate noise and bursts.
+PACK_FACTOR = 0.5
 
 
 class ReplicaBits:
@@ -94,6 +98,7 @@ class PrefixAffinity:
         self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks)
         self.bits = ReplicaBits()
         self.load = SharedLoad(self.settings.load_average_s, clock)
+        self.placement = Placement(self.settings.heavy_share, self.settings.epsilon * PACK_FACTOR)
         self._salts: dict[str, int] = {}
         self._trust: dict[str, float] = {}
         # For metrics and the benchmark: decisions, and how many the index changed.
@@ -134,6 +139,11 @@ class PrefixAffinity:
         key = self.keyer.key_for(request, len(replicas), learn=learn).key
         order = rendezvous_order(key, replicas, self._salts)
         if learn:
+            self.placement.record(key, len(replicas))
+        home = self._home(key, order, replicas, learn)
+        if home is not order[0]:
+            order = sorted(order, key=lambda r: r is not home)  # stable: the rest keep their order
+        if learn:
             self.load.update(replicas)
             self.decisions += 1
         inside, over = self._bound(key, order)
@@ -144,6 +154,11 @@ class PrefixAffinity:
                     self.follows += 1
                 inside = [inside[pick], *inside[:pick], *inside[pick + 1:]]
         return inside + over
+
+    def _home(self, key: int, order: list[ReplicaView], replicas: Sequence[ReplicaView],
+              learn: bool) -> ReplicaView:
+        name = self.placement.home(key, replicas, self._salts, refresh=learn)
+        return next((r for r in order if r.name == name), order[0]) if name else order[0]
 
     def _bound(self, key: int, order: list[ReplicaView]) -> tuple[list[ReplicaView], list[ReplicaView]]:
         """(replicas that may take the request, in ``order``; the rest, least loaded now first)."""

@@ -39,6 +39,9 @@ class RoutingSettings(_Section):
     # A prefix carried by more than hot_fraction / replicas of the requests is "wide"
     # (more than one replica's share at 1.0): the routing key goes deeper than it.
     hot_fraction: float = Field(1.0, gt=0, le=1)
+    # Keys carrying at least heavy_share of one replica's share get a packed home
+    # (routing.placement) instead of their plain rendezvous first choice.
+    heavy_share: float = Field(0.1, gt=0, le=1)
     # A replica the index believes holds a deeper prefix than the rendezvous first
     # choice goes first only if it is deeper by at least this many characters
     # (and by half again): small gains do not justify diverging from other instances.

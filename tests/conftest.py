@@ -6,6 +6,12 @@ import os
 from typing import Iterator
 
 import pytest
+from hypothesis import settings as hypothesis_settings
+
+# Property tests check invariants, not speed: a busy 2-core CI machine must not
+# turn a slow example into a failure (speed lives in bench/).
+hypothesis_settings.register_profile("kvgate", deadline=None)
+hypothesis_settings.load_profile("kvgate")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
