@@ -25,6 +25,7 @@ drives the same requests through any async ``send(request) -> usage``.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -180,10 +181,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _value(text: str) -> object:
+    """A ``--set`` value: JSON (0.25, null, true) where it parses, else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     global PA_SETTINGS
-    PA_SETTINGS = RoutingSettings.model_validate(dict(kv.split("=", 1) for kv in args.set))
+    PA_SETTINGS = RoutingSettings.model_validate({k: _value(v) for k, v in (kv.split("=", 1) for kv in args.set)})
     started = time.perf_counter()
     reports = []
     for name in args.workloads:

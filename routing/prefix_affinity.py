@@ -130,6 +130,10 @@ class PrefixAffinity:
         # The key this instance routed on (a peek if the request came another way).
         self.index.add_key(self.keyer.key_for(request, max(1, len(self.bits)), learn=False).key, bit)
 
+    def stats(self) -> dict[str, object]:
+        """For ``GET /admin/routing``: what the policy decided on its own."""
+        return {"heavy_keys_packed": len(self.placement), "alone": self.load.alone()}
+
     # -- internals ---------------------------------------------------------------------
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
         if len(replicas) < 2:
@@ -167,10 +171,11 @@ class PrefixAffinity:
         shed = shed_fractions([self.load.get(r) for r in order], weights, self.settings.epsilon, _STEADY_FLOOR)
         eps, floor = self.settings.burst_epsilon, _BURST_FLOOR
         new_eps = self.settings.new_key_epsilon
-        if new_eps is not None and new_eps < eps and not self.index.holders(key):
+        if new_eps is not None and new_eps < eps and self.load.alone() and not self.index.holders(key):
             # Nobody is known to hold this key yet (a new conversation, a one-off
-            # prompt): placing it elsewhere costs nothing now. Off by default: other
-            # instances do not know where it went, so its next turns may miss.
+            # prompt): placing it elsewhere costs nothing now. Only while this
+            # instance carries the replicas' traffic alone: another instance would
+            # not know where it went and would send its next turns to the first choice.
             eps, floor = new_eps, _NEW_KEY_FLOOR
         burst = within_bound(now, weights, eps, floor)
         fits = [b and not sheds(key, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]

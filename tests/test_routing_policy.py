@@ -118,24 +118,38 @@ def test_a_hot_shared_prefix_spreads_under_load() -> None:
     assert shed[home.name] < 400 / 8 / 2
 
 
-def test_a_new_key_avoids_a_busy_replica_that_a_warm_key_keeps() -> None:
+def test_a_new_key_avoids_a_busy_replica_that_a_warm_key_keeps_while_this_instance_is_alone() -> None:
     # Mildly busy first choice (past 1.25 x mean, within 2 x mean): a new conversation
-    # is placed elsewhere for free (new_key_epsilon, one gateway instance); a
-    # conversation already warm there stays.
-    policy, loose, replicas = PrefixAffinity(RoutingSettings(new_key_epsilon=0.25)), PrefixAffinity(), fleet()
+    # is placed elsewhere for free; a conversation already warm there stays.
+    policy, off, replicas = PrefixAffinity(), PrefixAffinity(RoutingSettings(new_key_epsilon=None)), fleet()
     warm_up(policy, replicas)
-    warm_up(loose, replicas)
-    for r in replicas:
-        r.in_flight = 4
+    warm_up(off, replicas)
+
+    def loads(own: int, busy: set[str], reported_extra: float) -> None:
+        for r in replicas:
+            r.in_flight = own + 2 * (r.name in busy)
+            r.running, r.waiting = float(r.in_flight) + reported_extra, 0.0
+
     warm, new = turn(9, 1), turn(10, 1)
+    loads(4, set(), 0.0)
     home = policy.prefer(warm, replicas)[0]
     policy.observe(warm, RouteFeedback(home.name, None, None, True))
     new_home = policy.peek(new, replicas)[0]
-    for r in (home, new_home):
-        r.in_flight = 6
+    busy = {home.name, new_home.name}
+    loads(4, busy, 0.0)  # the replicas report exactly this instance's requests: alone
     assert policy.prefer(turn(9, 2), replicas)[0] is home
     assert policy.prefer(new, replicas)[0] not in (home, new_home)
-    assert loose.prefer(new, replicas)[0] is new_home
+    assert off.prefer(new, replicas)[0] is new_home
+    # Another instance sends as much again: its follow-ups would go to the first
+    # choice, so this one does not place new keys by load either.
+    clock = Clock()
+    shared = PrefixAffinity(clock=clock)
+    warm_up(shared, replicas)
+    for _ in range(50):
+        clock.t += 1.0
+        loads(4, busy, 4.0)
+        shared.prefer(turn(11, 1), replicas)
+    assert shared.prefer(new, replicas)[0] is new_home
 
 
 def test_bounded_load_split_keeps_order_and_sorts_the_rest_by_load() -> None:
