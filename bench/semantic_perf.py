@@ -242,7 +242,7 @@ async def run(args: argparse.Namespace) -> None:
         await bench_exact(args)
     embedder = None
     if only & {"semantic", "embed"}:
-        embedder = LocalEmbedder(batch_max=32, threads=args.threads)
+        embedder = LocalEmbedder(batch_max=32, threads=args.threads, fast=not args.no_fast)
         await embedder.start()
     if "semantic" in only and embedder is not None:
         await bench_semantic(args, embedder)
@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--million", action="store_true", help="also build a 1M-entry index (minutes, ~2.5 GB)")
     parser.add_argument("--threads", type=int, default=SemanticCacheSettings().embed_threads,
                         help="torch threads for the model")
+    parser.add_argument("--no-fast", action="store_true",
+                        help="run the model through SentenceTransformer.encode (embed_fast=false)")
     parser.add_argument("--gateway-url", help="measure end to end through a running kvgate instead")
     parser.add_argument("--api-key", help="tenant key for --gateway-url")
     parser.add_argument("--model", default="perf", help="model name for --gateway-url")

@@ -51,7 +51,7 @@ def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClien
                               batch_max=settings.batch_max, batch_wait_s=wait_s,
                               timeout_s=settings.embed_timeout_s)
     return LocalEmbedder(batch_max=settings.batch_max, batch_wait_s=wait_s, name=settings.embedding_model,
-                         threads=settings.embed_threads)
+                         threads=settings.embed_threads, fast=settings.embed_fast)
 
 
 class SemanticCache:

@@ -26,6 +26,8 @@ import httpx
 import numpy as np
 import xxhash
 
+from . import fast_encode
+
 EncodeBatch = Callable[[list[str]], Awaitable[np.ndarray]]
 
 
@@ -135,11 +137,13 @@ class LocalEmbedder:
 
     def __init__(self, *, batch_max: int = 32, batch_wait_s: float = 0.0,
                  loader: Callable[[], Any] = load_minilm, name: str = "all-MiniLM-L6-v2",
-                 threads: int | None = 1) -> None:
+                 threads: int | None = 1, fast: bool = True) -> None:
         self.name = name
         self._loader = loader
         self._threads = threads
+        self._fast_path = fast
         self._model: Any = None
+        self._fast: fast_encode.EncodeFn | None = None
         self._load_task: asyncio.Future[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-embed")
         self._batcher = MicroBatcher(self._encode_batch, batch_max, batch_wait_s)
@@ -171,9 +175,15 @@ class LocalEmbedder:
         # Warm up here, not on the first request: the first forward pass allocates.
         model.encode(["warm up"], batch_size=1, normalize_embeddings=True, convert_to_numpy=True,
                      show_progress_bar=False)
+        # ONNX Runtime (or a TorchScript trace) cuts most of a query's latency; None keeps model.encode.
+        self._fast = fast_encode.build(model, self._threads or 1) if self._fast_path else None
+        if self._fast is not None:
+            self._fast(["warm up"])
         self._model = model
 
     def _encode_sync(self, texts: list[str]) -> np.ndarray:
+        if self._fast is not None:
+            return unit_rows(self._fast(texts))
         vectors = self._model.encode(texts, batch_size=max(len(texts), 1), normalize_embeddings=True,
                                      convert_to_numpy=True, show_progress_bar=False)
         return unit_rows(vectors)

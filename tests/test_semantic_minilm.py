@@ -64,3 +64,30 @@ async def test_minilm_vectors_are_unit_and_batched(minilm: Any) -> None:
         assert emb.batcher.batches < 12  # concurrent calls shared forward passes
     finally:
         await emb.aclose()
+
+
+@pytest.mark.parametrize("backend", ["_onnx_backend", "_traced_backend"])
+def test_fast_encoders_give_encodes_vectors(minilm: Any, backend: str) -> None:
+    """Each fast path must be an optimisation only: same vectors, any length, padded batches."""
+    from semantic_cache import fast_encode
+
+    fast = getattr(fast_encode, backend)(minilm, 1)
+    assert fast is not None
+    texts = ["hi", "how can i reset my router password",
+             "a longer question, with punctuation and numbers like 1998, that needs padding in a batch"]
+    want = minilm.encode(texts, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+    got = fast(texts)
+    assert got.shape == want.shape
+    assert abs(got - want).max() < 1e-5
+    for text, row in zip(texts, want):  # one at a time, as the idle hot path calls it
+        assert abs(fast([text])[0] - row).max() < 1e-5
+
+
+def test_fast_encoders_decline_other_models() -> None:
+    from semantic_cache import fast_encode
+
+    class Fake:
+        def encode(self, texts: list[str], **_: Any) -> Any:
+            raise AssertionError("not called")
+
+    assert fast_encode.build(Fake()) is None  # the embedder keeps model.encode
