@@ -182,7 +182,7 @@ def test_hostile_input_stays_bounded() -> None:
     assert time.perf_counter() - started < 0.5
 
 
-def test_a_20k_character_system_prompt_is_scanned_in_about_a_millisecond() -> None:
+def test_a_20k_character_system_prompt_is_scanned_in_linear_time() -> None:
     text = ((SUPPORT + CODING + OPS + LEGAL) * 12)[:20_000] + " Current time: 2025-03-03T10:22:01Z"
     body = chat(text)
     assert [w.kind for w in analyze(body)] == ["timestamp"]
@@ -193,4 +193,6 @@ def test_a_20k_character_system_prompt_is_scanned_in_about_a_millisecond() -> No
         samples.append(time.perf_counter() - started)
     median_ms = statistics.median(samples) * 1000
     print(f"analyze, 20K-char system prompt: median {median_ms:.3f} ms")
-    assert median_ms < 2.0  # ~0.3 ms on a laptop core; slack for a loaded CI machine
+    # About 0.3-2 ms depending on the machine; this only catches a pathological
+    # (super-linear) regression. Speed itself is measured in bench/, not asserted here.
+    assert median_ms < 50.0

@@ -123,7 +123,7 @@ def test_completions_prompts_and_odd_inputs_render() -> None:
 
 @settings(deadline=None, max_examples=1)
 @given(st.just(None))
-def test_a_100k_character_prompt_hashes_well_under_a_millisecond(_: None) -> None:
+def test_a_100k_character_prompt_hashes_in_linear_time(_: None) -> None:
     text = ("lorem ipsum dolor sit amet " * 4000)[:100_000]
     body = {"messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]}
     best = float("inf")
@@ -132,5 +132,6 @@ def test_a_100k_character_prompt_hashes_well_under_a_millisecond(_: None) -> Non
         data = render("chat", body).data
         chain_hashes(data, SEED, BLOCK, 4096)
         best = min(best, time.perf_counter() - started)
-    # Measured about 0.35 ms on the reference machine; the bound leaves room for slow CI.
-    assert best < 2e-3, f"{best * 1e3:.2f} ms"
+    # 0.3-0.7 ms depending on the machine (python -m bench.routing prints it); this
+    # only catches a pathological regression, not a slower CI machine.
+    assert best < 20e-3, f"{best * 1e3:.2f} ms"
