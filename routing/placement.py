@@ -103,10 +103,12 @@ class Placement:
         used = {r.name: light * r.weight / total_weight for r in replicas}
         cap = {r.name: (1.0 + self._epsilon) * r.weight / total_weight for r in replicas}
         old, table = self._table, {}
-        # Sticky first: a key keeps its home while that home has room, so a
-        # refresh moves only what must move (each move costs the key's prefix).
+        # Sticky first: a key keeps its home (a newly heavy key: its rendezvous first
+        # choice, where it has lived so far) while that home has room, so packing
+        # moves only what must move (each move costs the key's prefix once).
+        orders = {key: rendezvous_order(key, replicas, salts) for key in heavy}
         for key in heavy:
-            home = old.get(key)
+            home = old.get(key, orders[key][0].name)
             if home in used and used[home] + shares[key] <= cap[home]:
                 used[home] += shares[key]
                 table[key] = home
@@ -114,7 +116,7 @@ class Placement:
             if key in table:
                 continue
             share = shares[key]
-            order = rendezvous_order(key, replicas, salts)
+            order = orders[key]
             pick = next((r.name for r in order if used[r.name] + share <= cap[r.name]), None)
             if pick is None:
                 pick = min(order, key=lambda r: (used[r.name] + share) / r.weight).name
