@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 
@@ -182,18 +180,14 @@ async def test_local_fallback_still_limits(private_redis: PrivateRedis) -> None:
 @pytest.mark.anyio
 async def test_paused_redis_costs_one_timeout_then_recovers(private_redis: PrivateRedis) -> None:
     t = tenant(rpm=1000)
-    assert private_redis.proc is not None
     async with client(private_redis.url) as r:
         limiter = RateLimiter(r, timeout_s=0.2, breaker_open_s=0.3)
         assert (await limiter.check(t)).source == "redis"
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)
-        try:
+        with private_redis.paused():
             started = time.monotonic()
             d = await limiter.check(t)
             assert time.monotonic() - started < 0.6
             assert d.allowed and d.source == "local" and limiter.degraded
-        finally:
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
         await anyio.sleep(0.35)  # breaker pause over: the next call probes Redis
         deadline = time.monotonic() + 3
         while limiter.degraded and time.monotonic() < deadline:
@@ -230,15 +224,11 @@ async def test_the_lua_script_and_the_local_arithmetic_agree(redis_service: str,
 @pytest.mark.anyio
 async def test_an_idle_limiter_notices_redis_is_back_by_probing(private_redis: PrivateRedis) -> None:
     t = tenant(rpm=1000)
-    assert private_redis.proc is not None
     async with client(private_redis.url) as r:
         limiter = RateLimiter(r, timeout_s=0.2, breaker_open_s=0.3)
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)
-        try:
+        with private_redis.paused():
             assert (await limiter.check(t)).source == "local" and limiter.degraded
             assert not await limiter.probe()  # still paused (or the breaker still closed to probes)
-        finally:
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 3
         while not await limiter.probe() and time.monotonic() < deadline:  # no request in between
             await anyio.sleep(0.1)

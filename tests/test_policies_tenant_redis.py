@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -156,16 +154,12 @@ async def test_a_paused_redis_costs_changes_a_bounded_wait(private_redis: Privat
         await reg.load()
         await reg.create_tenant({"name": "delta"})
         issued = await reg.add_key("delta")
-        assert private_redis.proc is not None
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)
-        try:
+        with private_redis.paused():
             started = time.monotonic()
             with pytest.raises(StoreUnavailable):
                 await reg.add_key("delta")
             assert time.monotonic() - started < 1.5
             assert reg.authenticate(issued.api_key).name == "delta"
-        finally:
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
         await reg.load()
         assert reg.authenticate(issued.api_key).name == "delta"
 
@@ -188,8 +182,7 @@ async def test_watch_loads_once_redis_comes_back(private_redis: PrivateRedis) ->
     pfx = f"kvgate-test:{uuid.uuid4().hex[:8]}:"  # on the private Redis: removed with it
     async with client(private_redis.url) as seed:
         await TenantRegistry([], SECRET, RedisTenantStore(seed, prefix=pfx)).create_tenant({"name": "delta"})
-    assert private_redis.proc is not None
-    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    private_redis.pause()
     async with client(private_redis.url) as r:
         reg = TenantRegistry([], SECRET, RedisTenantStore(r, prefix=pfx, timeout_s=0.1, load_timeout_s=0.2))
         async with anyio.create_task_group() as tg:
@@ -197,7 +190,7 @@ async def test_watch_loads_once_redis_comes_back(private_redis: PrivateRedis) ->
             await anyio.sleep(0.5)
             with pytest.raises(TenantsUnavailable):
                 reg.authenticate(None)
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
+            private_redis.resume()
             await eventually(lambda: reg.loaded, 3.0)
             assert reg.tenant("delta") is not None and not reg.open_mode
             tg.cancel_scope.cancel()

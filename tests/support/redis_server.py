@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import redis
 
@@ -41,6 +44,23 @@ class PrivateRedis:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+    def pause(self) -> None:
+        """A hung Redis (SIGSTOP): connections stay open and nothing answers."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def stop(self) -> None:
         if self.proc is not None:
