@@ -63,6 +63,7 @@ class SimView:
     waiting: float | None = None
     running: float | None = None
     kv_usage: float | None = None
+    in_flight_at_scrape: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -303,6 +304,7 @@ class _Fleet:
             for views in self.view_of:
                 v = views[e.name]
                 v.running, v.waiting, v.kv_usage = running, waiting, usage
+                v.in_flight_at_scrape = v.in_flight
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> RunStats:

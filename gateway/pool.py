@@ -49,6 +49,7 @@ class Replica:
     waiting: float | None = None
     running: float | None = None
     kv_usage: float | None = None
+    in_flight_at_scrape: int = 0
     prefix_queries: float | None = None
     prefix_hits: float | None = None
     served: int = 0
@@ -330,6 +331,8 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
 def apply_vllm_metrics(replica: Replica, text: str) -> None:
     for attr, value in parse_vllm_metrics(text).items():
         setattr(replica, attr, value)
+    # Which of the reported requests were ours (routing.base.load_of).
+    replica.in_flight_at_scrape = replica.in_flight
 
 
 def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:

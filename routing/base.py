@@ -27,6 +27,8 @@ class ReplicaView(Protocol):
     waiting: float | None
     running: float | None
     kv_usage: float | None
+    # This instance's in-flight count when those metrics were read.
+    in_flight_at_scrape: int
 
 
 def load_of(replica: ReplicaView) -> float:
@@ -34,10 +36,29 @@ def load_of(replica: ReplicaView) -> float:
 
     The replica's own queue (running + waiting) is the shared view; our in-flight
     count covers the second between scrapes. Taking the max (not the sum) avoids
-    counting the same requests twice once the scrape catches up.
+    counting the same requests twice once the scrape catches up. Routers that
+    must agree with other instances (bounded load) judge by this.
     """
     shared = (replica.running or 0.0) + (replica.waiting or 0.0)
     return max(shared, float(replica.in_flight)) / replica.weight
+
+
+def load_now(replica: ReplicaView) -> float:
+    """The replica's queue right now, as best this instance alone can tell (per unit weight).
+
+    The scrape is up to a second old. Of it, everything but our own requests of
+    that moment is other clients' work, taken as still there; our own part we
+    know exactly, now. So: others as last reported plus our in-flight now.
+    Counting our arrivals *and completions* since the scrape is what keeps a
+    burst from herding onto the replica whose stale figure looks lowest; but
+    it differs between instances, so only a router that need not agree with
+    others (least load) ranks by it.
+    """
+    if replica.running is None and replica.waiting is None:
+        return replica.in_flight / replica.weight
+    shared = (replica.running or 0.0) + (replica.waiting or 0.0)
+    others = max(0.0, shared - replica.in_flight_at_scrape)
+    return (others + replica.in_flight) / replica.weight
 
 
 @dataclass(slots=True)

@@ -11,10 +11,13 @@ Three layers, each with one job:
    with bounded load. A replica is skipped (moved to the
    back) when its time-averaged *shared* load (scraped running + waiting) is
    past (1 + epsilon) x mean, or its load right now (with this instance's
-   in-flight) is past (1 + burst_epsilon) x mean (optionally a tighter
-   ``new_key_epsilon`` for keys no replica holds yet). The averaged view is the
+   in-flight) is past (1 + burst_epsilon) x mean. The averaged view is the
    same on every gateway instance, so they move a key off an overloaded
    replica together; the instantaneous check only stops a pile-up.
+   A key no replica holds yet, while this instance carries all the traffic
+   (``SharedLoad.alone``), is instead placed where its prefill starts soonest
+   (``routing.backlog``), within a tighter ``new_key_epsilon``; its next
+   requests follow it there before the index learns of it.
 3. **Follow** (``routing.block_index``): if the first choice is not known to
    hold the key's prefix but another replica within the bound is (the key
    spilled there under load, or membership changed), that replica goes first;
@@ -36,6 +39,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+from .backlog import CHARS_PER_TOKEN, Backlog, YoungKeys
 from .base import ReplicaView, RouteFeedback, RouteRequest, load_of
 from .block_index import BlockIndex
 from .keys import PrefixInfo, PrefixKeyer, analyse
@@ -99,6 +103,8 @@ class PrefixAffinity:
         self.bits = ReplicaBits()
         self.load = SharedLoad(self.settings.load_average_s, clock)
         self.placement = Placement(self.settings.heavy_share, self.settings.epsilon * PACK_FACTOR)
+        self.young = YoungKeys()
+        self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
         self._salts: dict[str, int] = {}
         self._trust: dict[str, float] = {}
         # For metrics and the benchmark: decisions, and how many the index changed.
@@ -132,7 +138,8 @@ class PrefixAffinity:
 
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided on its own."""
-        return {"heavy_keys_packed": len(self.placement), "alone": self.load.alone()}
+        return {"heavy_keys_packed": len(self.placement), "alone": self.load.alone(),
+                "young_keys": len(self.young)}
 
     # -- internals ---------------------------------------------------------------------
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
@@ -144,38 +151,75 @@ class PrefixAffinity:
         order = rendezvous_order(key, replicas, self._salts)
         if learn:
             self.placement.record(key, len(replicas))
-        home = self._home(key, order, replicas, learn)
+        packed = self.placement.home(key, replicas, self._salts, refresh=learn)
+        home = next((r for r in order if r.name == packed), order[0]) if packed else order[0]
         if home is not order[0]:
             order = sorted(order, key=lambda r: r is not home)  # stable: the rest keep their order
         if learn:
             self.load.update(replicas)
             self.decisions += 1
-        inside, over = self._bound(key, order)
-        if len(inside) > 1:
-            pick = self._follow(analyse(request, self.settings), key, inside)
+        placed = packed is None and self._placed_by_load(key)
+        inside, over = self._bound(key, order, placed)
+        info = analyse(request, self.settings)
+        if placed and len(inside) > 1:
+            inside = self._place(key, info, inside)
+        elif len(inside) > 1:
+            pick = self._follow(info, key, inside)
             if pick:
                 if learn:
                     self.follows += 1
                 inside = [inside[pick], *inside[:pick], *inside[pick + 1:]]
-        return inside + over
+        ranked = inside + over
+        if learn:
+            self.backlog.add(ranked[0].name, self._uncached_tokens(info, ranked[0].name))
+            if placed:
+                self.young.put(key, ranked[0].name)
+        return ranked
 
-    def _home(self, key: int, order: list[ReplicaView], replicas: Sequence[ReplicaView],
-              learn: bool) -> ReplicaView:
-        name = self.placement.home(key, replicas, self._salts, refresh=learn)
-        return next((r for r in order if r.name == name), order[0]) if name else order[0]
+    def _placed_by_load(self, key: int) -> bool:
+        """Whether ``key`` may go where the load is lowest rather than where it hashes.
 
-    def _bound(self, key: int, order: list[ReplicaView]) -> tuple[list[ReplicaView], list[ReplicaView]]:
+        Nobody is known to hold it yet (a new conversation, a one-off prompt), so
+        placing it elsewhere costs nothing now (a heavy key is not asked: its
+        packed home already accounts for load); and this instance carries the
+        replicas' traffic alone: another instance would not know where it went
+        and would send its next turns to the first choice.
+        """
+        return (self.settings.new_key_epsilon is not None and self.load.alone()
+                and not self.index.holders(key))
+
+    def _place(self, key: int, info: PrefixInfo, inside: list[ReplicaView]) -> list[ReplicaView]:
+        """A new key's order: where its earlier requests went, else the shortest prefill queue.
+
+        A new conversation often sends several requests before the first answer
+        comes back (and teaches the index): they go together. Otherwise the
+        replica whose queue of prompt work from this instance is shortest goes
+        first (``routing.backlog``); ties keep the rendezvous order.
+        """
+        home = self.young.get(key)
+        if home is not None:
+            i = next((j for j, r in enumerate(inside) if r.name == home), None)
+            if i is not None:
+                return [inside[i], *inside[:i], *inside[i + 1:]]
+        queues = [self.backlog.get(r.name) for r in inside]
+        best = min(range(len(inside)), key=queues.__getitem__)  # the first of equals
+        return [inside[best], *inside[:best], *inside[best + 1:]]
+
+    def _uncached_tokens(self, info: PrefixInfo, name: str) -> float:
+        """The prompt tokens ``name`` must prefill, as far as the index knows."""
+        bit = self.bits.get(name)
+        held = self.index.depth_of(info.hashes, bit) * info.block if bit is not None and info.hashes else 0
+        return max(0, len(info.rendered.data) - held) / CHARS_PER_TOKEN
+
+    def _bound(self, key: int, order: list[ReplicaView],
+               placed: bool) -> tuple[list[ReplicaView], list[ReplicaView]]:
         """(replicas that may take the request, in ``order``; the rest, least loaded now first)."""
         weights = [r.weight for r in order]
         now = [load_of(r) for r in order]
         shed = shed_fractions([self.load.get(r) for r in order], weights, self.settings.epsilon, _STEADY_FLOOR)
         eps, floor = self.settings.burst_epsilon, _BURST_FLOOR
         new_eps = self.settings.new_key_epsilon
-        if new_eps is not None and new_eps < eps and self.load.alone() and not self.index.holders(key):
-            # Nobody is known to hold this key yet (a new conversation, a one-off
-            # prompt): placing it elsewhere costs nothing now. Only while this
-            # instance carries the replicas' traffic alone: another instance would
-            # not know where it went and would send its next turns to the first choice.
+        if placed and new_eps is not None and new_eps < eps:
             eps, floor = new_eps, _NEW_KEY_FLOOR
         burst = within_bound(now, weights, eps, floor)
         fits = [b and not sheds(key, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]

@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing import RouteFeedback, RouteRequest, RoutingSettings, load_of, make_policy
+from routing import RouteFeedback, RouteRequest, RoutingSettings, load_now, load_of, make_policy
 from routing.consistent_hash import ConsistentHash
 from routing.least_load import LeastLoad
 from routing.prefix_affinity import PrefixAffinity
@@ -127,14 +127,14 @@ def test_a_new_key_avoids_a_busy_replica_that_a_warm_key_keeps_while_this_instan
 
     def loads(own: int, busy: set[str], reported_extra: float) -> None:
         for r in replicas:
-            r.in_flight = own + 2 * (r.name in busy)
+            r.in_flight = r.in_flight_at_scrape = own + 2 * (r.name in busy)
             r.running, r.waiting = float(r.in_flight) + reported_extra, 0.0
 
     warm, new = turn(9, 1), turn(10, 1)
     loads(4, set(), 0.0)
     home = policy.prefer(warm, replicas)[0]
     policy.observe(warm, RouteFeedback(home.name, None, None, True))
-    new_home = policy.peek(new, replicas)[0]
+    new_home = off.peek(new, replicas)[0]  # its rendezvous first choice
     busy = {home.name, new_home.name}
     loads(4, busy, 0.0)  # the replicas report exactly this instance's requests: alone
     assert policy.prefer(turn(9, 2), replicas)[0] is home
@@ -160,6 +160,11 @@ def test_bounded_load_split_keeps_order_and_sorts_the_rest_by_load() -> None:
     assert [r.name for r in inside] == ["r1", "r3"]
     assert [r.name for r in over] == ["r2", "r0"]
     assert load_of(View("x", weight=2.0, in_flight=4, running=6.0)) == 3.0
+    # Others' requests as last scraped, plus ours now (not ours twice).
+    assert load_now(View("x", weight=2.0, in_flight=4, running=6.0, in_flight_at_scrape=4)) == 3.0
+    assert load_now(View("x", weight=2.0, in_flight=1, running=6.0, in_flight_at_scrape=4)) == 1.5
+    assert load_now(View("x", weight=2.0, in_flight=5, running=1.0, in_flight_at_scrape=4)) == 2.5
+    assert load_now(View("x", weight=1.0, in_flight=3)) == 3.0  # not scraped yet
 
 
 def test_removing_draining_or_ejecting_a_replica_reroutes_only_its_keys() -> None:

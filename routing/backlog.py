@@ -1,0 +1,82 @@
+"""Prefill backlog: the prompt work this instance has sent each replica, not yet done.
+
+Time to first token is set by the prefill queue, not by how many requests a
+replica is decoding: a replica running twenty short decodes starts a new
+prompt sooner than one that was just handed a 4,000-token prompt. Request
+counts (``load_of``) cannot tell these apart, and the scraped metrics are up
+to a second old, so routing on them herds a burst of arrivals onto whichever
+replica looked emptiest at the last scrape.
+
+``Backlog`` is a virtual queue per replica: each routed request adds its
+estimated uncached prompt tokens, and the queue drains at the replica's
+prefill rate (``prefill_tokens_per_s``, a setting: the fleet's rate need not be
+known exactly, since only the *order* between replicas is used; too high a
+rate makes every queue look empty and the rendezvous order decides, too low a
+rate degrades to "least prompt tokens sent recently", still a fair spread).
+It only covers this instance's own traffic, so the policy uses it where that is
+all the traffic (``SharedLoad.alone``) and the key is not held anywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Callable
+
+__all__ = ["Backlog", "CHARS_PER_TOKEN", "YoungKeys"]
+
+# Rendered prompt characters per token: routing never tokenises.
+CHARS_PER_TOKEN = 4.0
+_MAX_REPLICAS = 4096
+_MAX_YOUNG = 4096
+
+
+class Backlog:
+    __slots__ = ("_rate", "_clock", "_queue", "_at")
+
+    def __init__(self, tokens_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = tokens_per_s
+        self._clock = clock
+        self._queue: dict[str, float] = {}
+        self._at: dict[str, float] = {}
+
+    def get(self, name: str) -> float:
+        """Tokens still queued for prefill on ``name`` (0 when drained or unknown)."""
+        left = self._queue.get(name)
+        if left is None:
+            return 0.0
+        return max(0.0, left - (self._clock() - self._at[name]) * self._rate)
+
+    def add(self, name: str, tokens: float) -> None:
+        if len(self._queue) >= _MAX_REPLICAS and name not in self._queue:
+            # Replica names churned (DNS pods): drained queues carry no information.
+            self._queue = {n: q for n, q in self._queue.items() if self.get(n) > 0}
+            self._at = {n: self._at[n] for n in self._queue}
+        self._queue[name] = self.get(name) + max(0.0, tokens)
+        self._at[name] = self._clock()
+
+
+class YoungKeys:
+    """Where this instance placed keys the index does not know yet (LRU, bounded).
+
+    The index learns a replica holds a prefix when its answer comes back; a
+    long prompt's next requests arrive before that, and must go where the
+    first went, not wherever the queue is shortest at that moment.
+    """
+
+    __slots__ = ("_homes",)
+
+    def __init__(self) -> None:
+        self._homes: OrderedDict[int, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def get(self, key: int) -> str | None:
+        return self._homes.get(key)
+
+    def put(self, key: int, name: str) -> None:
+        self._homes[key] = name
+        self._homes.move_to_end(key)
+        if len(self._homes) > _MAX_YOUNG:
+            self._homes.popitem(last=False)

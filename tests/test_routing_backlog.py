@@ -1,0 +1,92 @@
+"""New keys placed by prefill backlog while one instance carries all the traffic."""
+
+from __future__ import annotations
+
+from routing import RouteFeedback, RouteRequest, RoutingSettings
+from routing.backlog import Backlog, YoungKeys
+from routing.prefix_affinity import PrefixAffinity
+
+from bench.routing_sim import SimView as View
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def one_off(i: int, chars: int) -> RouteRequest:
+    text = f"prompt {i}: " + "".join(f"w{i}x{j} " for j in range(chars // 8))
+    return RouteRequest("chat", "m", "t", {"model": "m", "messages": [{"role": "user", "content": text[:chars]}]})
+
+
+def alone_fleet(n: int = 8) -> list[View]:
+    # The replicas report exactly this instance's requests (one each, already
+    # in flight), so the instance knows it is alone.
+    return [View(f"r{i}", in_flight=1, running=1.0, waiting=0.0, in_flight_at_scrape=1) for i in range(n)]
+
+
+def send(policy: PrefixAffinity, request: RouteRequest, replicas: list[View]) -> View:
+    chosen = policy.prefer(request, replicas)[0]
+    chosen.in_flight += 1
+    return chosen
+
+
+def test_the_backlog_drains_at_the_prefill_rate() -> None:
+    clock = Clock()
+    backlog = Backlog(1000.0, clock)
+    backlog.add("a", 1500)
+    assert backlog.get("a") == 1500 and backlog.get("b") == 0
+    clock.t = 1.0
+    assert backlog.get("a") == 500
+    backlog.add("a", 100)
+    clock.t = 1.5
+    assert backlog.get("a") == 100
+    clock.t = 9.0
+    assert backlog.get("a") == 0
+
+
+def test_young_keys_remember_the_newest_placements_only() -> None:
+    young = YoungKeys()
+    for k in range(5000):
+        young.put(k, f"r{k % 8}")
+    assert len(young) == 4096 and young.get(0) is None and young.get(4999) == "r7"
+
+
+def test_one_off_prompts_avoid_the_replica_handed_a_long_prompt() -> None:
+    # Counting requests, a replica given one 10K-token prompt looks as free as one
+    # given a 250-token prompt; its prefill queue says otherwise.
+    clock = Clock()
+    policy, replicas = PrefixAffinity(RoutingSettings(prefill_tokens_per_s=1000.0), clock), alone_fleet()
+    policy.prefer(one_off(-1, 400), replicas)  # the instance first sees that it is alone
+    clock.t = 100.0  # every queue drained
+    big = send(policy, one_off(0, 40_000), replicas)
+    small = [send(policy, one_off(i, 1000), replicas) for i in range(1, 15)]
+    assert big not in small
+    assert {r.name for r in small} == {r.name for r in replicas} - {big.name}
+    assert policy.stats()["alone"] is True
+    # Without the view that it is alone (another instance shares the replicas),
+    # the same prompts hash to their rendezvous choices regardless of backlog.
+    shared = [View(f"r{i}", in_flight=1, running=9.0, waiting=0.0, in_flight_at_scrape=1) for i in range(8)]
+    other, fresh = (PrefixAffinity(RoutingSettings(prefill_tokens_per_s=1000.0), Clock()) for _ in range(2))
+    other.prefer(one_off(0, 40_000), shared)
+    firsts = [other.prefer(one_off(i, 1000), shared)[0].name for i in range(1, 15)]
+    assert firsts == [fresh.peek(one_off(i, 1000), shared)[0].name for i in range(1, 15)]
+    assert other.stats()["alone"] is False
+
+
+def test_a_new_conversations_requests_stay_together_before_its_first_answer() -> None:
+    clock = Clock()
+    policy, replicas = PrefixAffinity(RoutingSettings(prefill_tokens_per_s=1000.0), clock), alone_fleet()
+    policy.prefer(one_off(-1, 400), replicas)
+    clock.t = 100.0
+    first = send(policy, one_off(7, 20_000), replicas)
+    # Its queue is now the longest, but the same prompt's next request follows it
+    # (the bound allows one more there) ...
+    assert send(policy, one_off(7, 20_000), replicas) is first
+    assert send(policy, one_off(7, 20_000), replicas) is not first  # ... but not a pile-up
+    # ... and once answered, the index takes over from the young-key memory.
+    policy.observe(one_off(7, 20_000), RouteFeedback(first.name, None, None, True))
+    assert policy.prefer(one_off(7, 20_000), replicas)[0] is first
