@@ -41,9 +41,13 @@ def build(name: str, args: argparse.Namespace) -> Workload:
 
         return shared(groups=16, per_group=max(1, args.requests // 16), system_tokens=1024, question_tokens=64,
                       output_tokens=16, rate=args.rate)
+    if name == "unique":
+        from bench.workloads.unique import build as unique
+
+        return unique(n_requests=args.requests, rate=args.rate)
     from bench.workloads.mtbench import build as mtbench
 
-    return mtbench(Path(args.data) / "conversations", rate=args.rate / 4, think_s=0.5, limit=args.requests // 3)
+    return mtbench(Path(args.data), rate=args.rate / 4, think_s=0.5, limit=args.requests // 3)
 
 
 async def _send_factory(gw: Kvgate, model: str) -> Any:
@@ -111,7 +115,8 @@ async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
-    p.add_argument("--workloads", nargs="+", default=["shared_prefix", "mtbench"])
+    p.add_argument("--workloads", nargs="+", default=["shared_prefix", "mtbench"],
+                   choices=["shared_prefix", "mtbench", "unique"])
     p.add_argument("--policies", nargs="+", default=POLICIES)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--requests", type=int, default=320)
