@@ -1,6 +1,6 @@
 """Would a learned pair judge beat the verifier's rules? A held-out experiment on QQP.
 
-    python -m bench.semantic_judge                   # ~50 min on 2 cores (1 epoch over ~20K pairs)
+    python -m bench.semantic_judge                   # ~40 min on 2 cores (1 epoch over ~20K pairs)
     python -m bench.semantic_judge --epochs 0.05 --test-limit 2000   # smoke run, minutes
 
 A cross-encoder reads both questions at once, which a bi-encoder plus rules
@@ -16,11 +16,11 @@ Printed: recall on the held-out duplicates at false-hit rates of 0.5% and 1%
 rules), the judge alone, the judge after the rules (content rule off: the
 judge decides on wording), and the default OR a confident judge.
 
-Measured (2026-11-30, 17,804 held-out pairs): the default 17.2% recall at
-0.80% false hits; the judge alone 14.8% at 1.0%; after the rules 17.1% at
-1.0%; default OR judge 18.9% at 0.90%. Two or three points of recall for a
-second model on every candidate (~3 ms) and weights trained on noisy labels:
-not shipped. Nothing is written to the repository.
+Measured (2026-11-30, 17,804 held-out pairs, about 40 min): the default 17.2%
+recall at 0.80% false hits; the judge alone 13.2% at 1.0%; after the rules
+16.4% at 1.0%; the default OR a confident judge 20.4% at 1.0%. Three points
+of recall for a second model on every candidate (~3 ms) and weights trained
+on noisy labels: not shipped. Nothing is written to the repository.
 """
 
 from __future__ import annotations

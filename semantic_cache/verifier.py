@@ -36,8 +36,8 @@ gradient-boosted trees 15.5%, and adding BERTScore-style token alignment
 from MiniLM's own contextual token vectors did not help (14.4%); these rules
 give 14.5% at 0.93%. A cross-encoder (MiniLM with LoRA adapters, trained on
 half of QQP, scored on the other half: ``bench/semantic_judge.py``) reached
-14.8% alone at 1.0%, and 18.9% at 0.90% as an alternative path beside these
-rules (17.2% at 0.80% on the same pairs): two points for a second model on
+13.2% alone at 1.0%, and 20.4% at 1.0% as an alternative path beside these
+rules (17.2% at 0.80% on the same pairs): three points for a second model on
 every candidate. Past that point the remaining non-duplicates (0.9% of
 them pass every rule at cosine >= 0.90) look like duplicates to any reader,
 so the ceiling is the labels and the bi-encoder, not the rule set.
