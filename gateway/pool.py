@@ -331,7 +331,7 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
 def apply_vllm_metrics(replica: Replica, text: str) -> None:
     for attr, value in parse_vllm_metrics(text).items():
         setattr(replica, attr, value)
-    # Which of the reported requests were ours (routing.base.load_of).
+    # Which of the reported requests were ours (routing.base.load_now).
     replica.in_flight_at_scrape = replica.in_flight
 
 

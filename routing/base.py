@@ -31,6 +31,13 @@ class ReplicaView(Protocol):
     in_flight_at_scrape: int
 
 
+def reported(replica: ReplicaView) -> float | None:
+    """The replica's own queue (running + waiting) at its last scrape; None before any."""
+    if replica.running is None and replica.waiting is None:
+        return None
+    return (replica.running or 0.0) + (replica.waiting or 0.0)
+
+
 def load_of(replica: ReplicaView) -> float:
     """Load as every gateway instance sees it alike, plus our own not-yet-visible work.
 
@@ -39,8 +46,7 @@ def load_of(replica: ReplicaView) -> float:
     counting the same requests twice once the scrape catches up. Routers that
     must agree with other instances (bounded load) judge by this.
     """
-    shared = (replica.running or 0.0) + (replica.waiting or 0.0)
-    return max(shared, float(replica.in_flight)) / replica.weight
+    return max(reported(replica) or 0.0, float(replica.in_flight)) / replica.weight
 
 
 def load_now(replica: ReplicaView) -> float:
@@ -54,10 +60,8 @@ def load_now(replica: ReplicaView) -> float:
     it differs between instances, so only a router that need not agree with
     others (least load) ranks by it.
     """
-    if replica.running is None and replica.waiting is None:
-        return replica.in_flight / replica.weight
-    shared = (replica.running or 0.0) + (replica.waiting or 0.0)
-    others = max(0.0, shared - replica.in_flight_at_scrape)
+    queue = reported(replica)
+    others = 0.0 if queue is None else max(0.0, queue - replica.in_flight_at_scrape)
     return (others + replica.in_flight) / replica.weight
 
 

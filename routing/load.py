@@ -19,16 +19,9 @@ import math
 import time
 from typing import Callable, Sequence
 
-from .base import ReplicaView
+from .base import ReplicaView, reported
 
-__all__ = ["SharedLoad", "shared_load"]
-
-
-def shared_load(replica: ReplicaView) -> float | None:
-    """The replica's scraped queue per unit weight; None until its metrics were scraped."""
-    if replica.running is None and replica.waiting is None:
-        return None
-    return ((replica.running or 0.0) + (replica.waiting or 0.0)) / replica.weight
+__all__ = ["SharedLoad"]
 
 
 # This instance is "alone" while its own in-flight requests are at least this
@@ -61,15 +54,12 @@ class SharedLoad:
         now = self._clock()
         self._fold_totals(replicas, now)
         for r in replicas:
-            x = shared_load(r)
-            if x is None:
+            queue = reported(r)
+            if queue is None:
                 continue
+            x = queue / r.weight
             old = self._avg.get(r.name)
-            if old is None or self._tau <= 0:
-                self._avg[r.name] = x
-            else:
-                dt = max(0.0, now - self._seen.get(r.name, now))
-                self._avg[r.name] = old + (1.0 - math.exp(-dt / self._tau)) * (x - old)
+            self._avg[r.name] = x if old is None else self._blend(old, x, now - self._seen.get(r.name, now))
             self._seen[r.name] = now
         if len(self._avg) > 4 * max(1, len(replicas)) + 64:
             # Replicas come and go (DNS): forget the ones no longer offered.
@@ -78,18 +68,23 @@ class SharedLoad:
                 del self._avg[name], self._seen[name]
 
     def _fold_totals(self, replicas: Sequence[ReplicaView], now: float) -> None:
-        scraped = [r for r in replicas if r.running is not None or r.waiting is not None]
-        if not scraped:
+        queues = [(r.in_flight, q) for r in replicas if (q := reported(r)) is not None]
+        if not queues:
             return
-        own = float(sum(r.in_flight for r in scraped))
-        fleet = sum((r.running or 0.0) + (r.waiting or 0.0) for r in scraped)
-        if self._last is None or self._tau <= 0:
+        own = float(sum(mine for mine, _ in queues))
+        fleet = sum(q for _, q in queues)
+        if self._last is None:
             self._own, self._fleet = own, fleet
         else:
-            a = 1.0 - math.exp(-max(0.0, now - self._last) / self._tau)
-            self._own += a * (own - self._own)
-            self._fleet += a * (fleet - self._fleet)
+            self._own = self._blend(self._own, own, now - self._last)
+            self._fleet = self._blend(self._fleet, fleet, now - self._last)
         self._last = now
+
+    def _blend(self, old: float, x: float, dt: float) -> float:
+        """The time-weighted average after ``dt`` seconds at ``x`` (just ``x`` without averaging)."""
+        if self._tau <= 0:
+            return x
+        return old + (1.0 - math.exp(-max(0.0, dt) / self._tau)) * (x - old)
 
     def get(self, replica: ReplicaView) -> float:
         """Averaged shared load, or this instance's in-flight count before any scrape."""

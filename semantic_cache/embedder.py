@@ -172,13 +172,13 @@ class LocalEmbedder:
             # Process-wide, but torch runs nowhere else in kvgate.
             torch.set_num_threads(self._threads)
         model = self._loader()
-        # Warm up here, not on the first request: the first forward pass allocates.
-        model.encode(["warm up"], batch_size=1, normalize_embeddings=True, convert_to_numpy=True,
-                     show_progress_bar=False)
-        # ONNX Runtime (or a TorchScript trace) cuts most of a query's latency; None keeps model.encode.
+        # ONNX Runtime (or a TorchScript trace) cuts most of a query's latency; None keeps
+        # model.encode. Building it runs both on probes, which is the warm-up too.
         self._fast = fast_encode.build(model, self._threads or 1) if self._fast_path else None
-        if self._fast is not None:
-            self._fast(["warm up"])
+        if self._fast is None:
+            # Warm up here, not on the first request: the first forward pass allocates.
+            model.encode(["warm up"], batch_size=1, normalize_embeddings=True, convert_to_numpy=True,
+                         show_progress_bar=False)
         self._model = model
 
     def _encode_sync(self, texts: list[str]) -> np.ndarray:

@@ -98,6 +98,14 @@ def _tokens(model: Any, texts: list[str], tensors: str) -> dict[str, Any]:
                                 return_tensors=tensors))
 
 
+def _example(model: Any) -> tuple[Any, Any, Any] | None:
+    """Inputs to export or trace with (a padded batch), or None for a tokenizer without token types."""
+    t = _tokens(model, list(_PROBES[1]), "pt")
+    if "token_type_ids" not in t:
+        return None
+    return t["input_ids"], t["token_type_ids"], t["attention_mask"]
+
+
 def _onnx_backend(model: Any, threads: int) -> EncodeFn | None:
     try:
         import onnx  # noqa: F401  (torch's exporter needs it)
@@ -108,17 +116,15 @@ def _onnx_backend(model: Any, threads: int) -> EncodeFn | None:
 
     import torch
 
-    example = _tokens(model, list(_PROBES[1]), "pt")
-    if "token_type_ids" not in example:
+    example = _example(model)
+    if example is None:
         return None
     buffer = io.BytesIO()
     axes = {"ids": {0: "batch", 1: "seq"}, "types": {0: "batch", 1: "seq"}, "mask": {0: "batch", 1: "seq"}}
     with warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("ignore")
         # The TorchScript exporter writes to any binary file object: no file on disk.
-        torch.onnx.export(_pooled_module(model), (example["input_ids"], example["token_type_ids"],
-                                                  example["attention_mask"]),
-                          buffer,  # type: ignore[arg-type]
+        torch.onnx.export(_pooled_module(model), example, buffer,  # type: ignore[arg-type]
                           input_names=["ids", "types", "mask"], output_names=["vectors"],
                           dynamic_axes={**axes, "vectors": {0: "batch"}}, opset_version=17, dynamo=False)
     options = ort.SessionOptions()
@@ -141,15 +147,14 @@ def _onnx_backend(model: Any, threads: int) -> EncodeFn | None:
 def _traced_backend(model: Any, threads: int) -> EncodeFn | None:
     import torch
 
-    example = _tokens(model, list(_PROBES[1]), "pt")
-    if "token_type_ids" not in example:
+    example = _example(model)
+    if example is None:
         return None
     with warnings.catch_warnings(), torch.inference_mode():
         # Tracing warns about shape-dependent Python in transformers' mask helpers;
         # the multi-length self-check is what proves the trace general.
         warnings.simplefilter("ignore")
-        traced = torch.jit.trace(_pooled_module(model), (example["input_ids"], example["token_type_ids"],
-                                                         example["attention_mask"]), check_trace=False)
+        traced = torch.jit.trace(_pooled_module(model), example, check_trace=False)
         frozen = torch.jit.optimize_for_inference(torch.jit.freeze(traced))
 
     def encode(texts: list[str]) -> np.ndarray:

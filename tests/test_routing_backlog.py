@@ -7,14 +7,7 @@ from routing.backlog import Backlog, YoungKeys
 from routing.prefix_affinity import PrefixAffinity
 
 from bench.routing_sim import SimView as View
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clock import Clock
 
 
 def one_off(i: int, chars: int) -> RouteRequest:

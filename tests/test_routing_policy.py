@@ -17,14 +17,7 @@ from routing.round_robin import RoundRobin
 
 # The benchmark's replica view is the same fake of routing.base.ReplicaView.
 from bench.routing_sim import SimView as View
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clock import Clock
 
 
 def fleet(n: int = 8) -> list[View]:
