@@ -60,6 +60,9 @@ POLICIES: dict[str, PolicyFactory] = {
 }
 # ``--set hot_fraction=0.5``: kvgate's own settings under test, for tuning runs.
 PA_SETTINGS = RoutingSettings()
+# A fact published to a Redis stream reaches the other instances' blocking reads
+# about this much later (a loopback round trip and the publisher's batching).
+SHARE_DELAY_S = 0.05
 # Policies also run as several independent gateway instances (no shared state).
 MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity")
 
@@ -162,6 +165,13 @@ def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
                                                      agreement=name == "prefix_affinity"))
         rep.rows.append(Row(f"{name} x{args.instances}", stats, ideal))
         _progress(w.name, f"{name} x{args.instances}", stats)
+    if "prefix_affinity" in args.policies and args.instances > 1:
+        # The same instances sharing what they learn through Redis (routing.share_index).
+        shared = PA_SETTINGS.model_copy(update={"share_index": True})
+        stats = simulate(w, lambda clock: PrefixAffinity(shared, clock),
+                         replace(base, instances=args.instances, agreement=True, share_s=SHARE_DELAY_S))
+        rep.rows.append(Row(f"prefix_affinity x{args.instances}, shared index", stats, ideal))
+        _progress(w.name, f"prefix_affinity x{args.instances} shared index", stats)
     if "prefix_affinity" in args.policies and not args.large_kv:
         stats = simulate(w, POLICIES["prefix_affinity"], replace(base, kv_tokens=1 << 40))
         rep.rows.append(Row("prefix_affinity, large KV", stats, ideal))

@@ -11,12 +11,19 @@ by the client.
 
     python -m bench.routing_e2e                       # shared-prefix + mtbench, 4 replicas
     python -m bench.routing_e2e --workloads mtbench --requests 300
+    python -m bench.routing_e2e --instances 3         # 3 kvgate processes, each request to a random one
+
+With ``--instances N`` every policy runs as N kvgate processes (clients spread
+over them at random, as a Service does), and ``prefix_affinity+shared`` is
+added: the same with ``routing.share_index`` through a Redis (``--redis-url``,
+else a private ``redis-server`` started for the run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import shutil
 import tempfile
 import time
@@ -26,7 +33,7 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.chaos_fleet import Kvgate, _kill, free_port, kvgate_config, start_kvgate, start_sims
+from bench.chaos_fleet import Kvgate, RedisProc, _kill, free_port, kvgate_config, start_kvgate, start_sims
 from bench.routing_replay import Usage, replay, summarise
 from bench.workloads import Request, Workload
 from gateway.pool import parse_vllm_metrics
@@ -50,17 +57,22 @@ def build(name: str, args: argparse.Namespace) -> Workload:
     return mtbench(Path(args.data), rate=args.rate / 4, think_s=0.5, limit=args.requests // 3)
 
 
-async def _send_factory(gw: Kvgate, model: str) -> Any:
-    client = httpx.AsyncClient(base_url=gw.url, timeout=120, limits=httpx.Limits(max_connections=256))
+SHARED = "prefix_affinity+shared"
+
+
+async def _send_factory(gws: list[Kvgate], model: str, seed: int = 7) -> Any:
+    client = httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=256))
+    pick = random.Random(seed)
 
     async def send(req: Request) -> Usage:
+        gw = gws[pick.randrange(len(gws))]  # a Service spreads clients over the instances
         body = {**req.body(), "model": model, "stream": True, "stream_options": {"include_usage": True}}
         body["max_tokens"] = max(1, min(int(body.get("max_tokens") or req.output_tokens or 16), 32))
         path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
         t0 = time.perf_counter()
         ttft = None
         usage: dict[str, Any] = {}
-        async with client.stream("POST", path, content=orjson.dumps(body),
+        async with client.stream("POST", gw.url + path, content=orjson.dumps(body),
                                  headers={"content-type": "application/json", **req.headers}) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"status {resp.status_code}")
@@ -94,13 +106,20 @@ def reset(sims: list[Any]) -> None:
 
 
 async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: Path,
-                     args: argparse.Namespace) -> dict[str, Any]:
-    port = free_port()
-    cfg = kvgate_config(port, sims, routing={"policy": policy},
-                        pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0})
-    gw = start_kvgate(workdir, cfg)
+                     args: argparse.Namespace, redis_url: str | None = None) -> dict[str, Any]:
+    routing: dict[str, Any] = {"policy": policy}
+    extra: dict[str, Any] = {}
+    if policy == SHARED:
+        routing = {"policy": "prefix_affinity", "share_index": True}
+        extra = {"redis_url": redis_url}
+    gws: list[Kvgate] = []
     try:
-        client, send = await _send_factory(gw, "sim-model")
+        for i in range(args.instances):
+            cfg = kvgate_config(free_port(), sims, routing=routing,
+                                pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0}, **extra)
+            (workdir / str(i)).mkdir(exist_ok=True)
+            gws.append(start_kvgate(workdir / str(i), cfg))
+        client, send = await _send_factory(gws, "sim-model")
         t0 = time.perf_counter()
         results = await replay(workload, send, speed=args.speed, max_concurrency=args.concurrency)
         wall = time.perf_counter() - t0
@@ -109,7 +128,8 @@ async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: 
         summary.update(policy=policy, fleet_hit_ratio=_fleet_ratio([s.url for s in sims]), wall_s=wall)
         return summary
     finally:
-        _kill(gw.proc)
+        for gw in gws:
+            _kill(gw.proc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,24 +144,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per replica (16-token blocks)")
+    p.add_argument("--instances", type=int, default=1, help="kvgate processes (requests spread at random)")
+    p.add_argument("--redis-url", default=None, help=f"Redis for {SHARED} (default: a private redis-server)")
     args = p.parse_args(argv)
+    redis: RedisProc | None = None
+    if args.instances > 1 and "prefix_affinity" in args.policies and SHARED not in args.policies:
+        args.policies.append(SHARED)
+    if SHARED in args.policies and args.redis_url is None:
+        redis = RedisProc().start()
+        args.redis_url = redis.url
     sims = start_sims([f"r{i + 1}" for i in range(args.replicas)], {
         "kv_blocks": args.kv_blocks, "prefill_s_per_token": 0.00005,
         "decode_base_s": 0.005, "max_num_seqs": 16})
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-route-e2e-"))
     try:
-        print(f"{'workload':<14}{'policy':<18}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
+        print(f"{'workload':<14}{'policy':<24}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
               f"{'ttft p50':>10}{'ttft p95':>10}{'errors':>8}")
         for name in args.workloads:
             workload = build(name, args)
             for policy in args.policies:
                 reset(sims)
-                r = asyncio.run(run_policy(policy, workload, sims, workdir, args))
-                print(f"{name:<14}{policy:<18}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
+                r = asyncio.run(run_policy(policy, workload, sims, workdir, args, args.redis_url))
+                print(f"{name:<14}{policy:<24}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
                       f"{r['ttft_p50_s'] * 1000:>8.0f}ms{r['ttft_p95_s'] * 1000:>8.0f}ms{r['errors']:>8}", flush=True)
     finally:
         for s in sims:
             s.kill()
+        if redis is not None:
+            redis.kill()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

@@ -36,7 +36,7 @@ from .workloads import Request, Workload
 
 __all__ = ["SimSettings", "SimView", "RunStats", "PolicyFactory", "simulate"]
 
-_ARRIVE, _STEP, _SCRAPE = 0, 1, 2
+_ARRIVE, _STEP, _SCRAPE, _GOSSIP = 0, 1, 2, 3
 
 
 @dataclass(slots=True)
@@ -51,6 +51,9 @@ class SimSettings:
     seed: int = 7
     # Measure agreement: ask every instance (side-effect free ``peek``) where it would send each request.
     agreement: bool = False
+    # Instances share what they learn (routing.share_index): each fact reaches the
+    # others this many seconds later (a Redis stream's round trip), None: off.
+    share_s: float | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -220,6 +223,7 @@ class _Fleet:
         if self.s.agreement and len(self.policies) > 1:
             self._agreement(route, name)
         self.view_of[inst][name].in_flight += 1
+        self._publish(inst, now)
         if req.prev is not None:
             # The previous turn's replica, known from when it was routed (it may still be running).
             self.stats.follow_ups += 1
@@ -229,6 +233,18 @@ class _Fleet:
         engine.advance(now)
         engine.waiting.append(_Job(req, route, inst, engine, now))
         self.kick(engine, now)
+
+    def _publish(self, inst: int, now: float) -> None:
+        gossip = getattr(self.policies[inst], "gossip", None)
+        if self.s.share_s is None or gossip is None or not len(gossip):
+            return
+        self.push(now + self.s.share_s, _GOSSIP, (inst, gossip.drain()))
+
+    def _deliver(self, inst: int, facts: list) -> None:
+        for i, policy in enumerate(self.policies):
+            if i != inst:
+                for fact in facts:
+                    policy.learn_remote(fact)  # type: ignore[attr-defined]
 
     def _agreement(self, route: RouteRequest, chosen: str) -> None:
         self.stats.agreement_checked += 1
@@ -281,6 +297,7 @@ class _Fleet:
         self.view_of[job.instance][e.name].in_flight -= 1
         self.policies[job.instance].observe(
             job.route, RouteFeedback(e.name, req.prompt_tokens, job.alloc.cached_tokens, True))
+        self._publish(job.instance, now)
         st = self.stats
         st.prompt_tokens += req.prompt_tokens
         st.cached_tokens += job.alloc.cached_tokens
@@ -322,6 +339,8 @@ class _Fleet:
                 self.route(obj, now)  # type: ignore[arg-type]
             elif kind == _STEP:
                 self.step(obj, version, now)  # type: ignore[arg-type]
+            elif kind == _GOSSIP:
+                self._deliver(*obj)  # type: ignore[misc]
             else:
                 self.scrape()
                 self.push(now + self.s.scrape_s, _SCRAPE, None)

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry
-from routing import RoutingPolicy, make_policy, resolve
+from routing import RoutingPolicy, RoutingSettings, make_policy, resolve
 
 from . import redis_client
 from .metrics import Metrics
+from .routing_sync import RoutingSync
 from .pool import PoolEvents, Replica, ReplicaPool, snapshot
 from .settings import Settings, load_settings
 from .stats import TenantStats
@@ -65,7 +66,7 @@ class Runtime:
         self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
                                 events=PoolEvents(on_eject=self._on_eject), transport=self.transport)
-        self.policy: RoutingPolicy = make_policy(settings.routing)
+        self.policy: RoutingPolicy = self._make_policy(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
         self.redis = _redis(settings)
         secret = settings.server_secret.get_secret_value()
@@ -79,6 +80,8 @@ class Runtime:
         self.tenant_stats = TenantStats()
         self.routing_counts = {"first_choice": 0, "retried": 0}
         self.background: set[asyncio.Task[Any]] = set()
+        self.routing_sync: RoutingSync | None = None
+        self._closing: list[Any] = []  # further Redis clients to close at stop
         self.started = False
         self.shutting_down = False
 
@@ -100,6 +103,7 @@ class Runtime:
                                                   connect=redis_client.connector(url) if url else None)
         if self.settings.routing.dns_name:
             self.spawn(self._dns_loop())
+        self._share_routing()
         await self.pool.start()
         self.started = True
 
@@ -110,10 +114,31 @@ class Runtime:
         await self.pool.stop()
         if self.cache is not None:
             await self.cache.aclose()
+        for extra in self._closing:
+            await extra.aclose()
         if self.redis is not None:
             await self.redis.aclose()
         await self.client.aclose()
         self.tracing.shutdown()
+
+    def _make_policy(self, routing: RoutingSettings) -> RoutingPolicy:
+        if routing.share_index and self.settings.redis_url is None:
+            # Sharing without a channel would place new keys where other instances
+            # cannot follow: route as an instance that shares nothing.
+            log.warning("routing.share_index needs redis_url; routing on this instance's knowledge only")
+            routing = routing.model_copy(update={"share_index": False})
+        return make_policy(routing)
+
+    def _share_routing(self) -> None:
+        """Publish and apply routing facts through Redis while the policy shares them."""
+        if self.redis is None or self.settings.redis_url is None:
+            return
+        url, timeout = self.settings.redis_url.get_secret_value(), self.settings.redis_timeout_s
+        # The tail blocks in XREAD for up to a second: its own connection, read timeout above that.
+        tail = redis_client.connect(url, timeout_s=timeout, read_timeout_s=timeout + 1.0)
+        self.routing_sync = RoutingSync(lambda: self.policy, self.redis, tail)
+        self.spawn(self.routing_sync.run())
+        self._closing.append(tail)
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """A background task the runtime keeps a reference to (and cancels at stop)."""
@@ -171,7 +196,7 @@ class Runtime:
         if update:
             routing = self.settings.routing.model_copy(update=update)
             self.settings = self.settings.model_copy(update={"routing": routing})
-            self.policy = make_policy(routing)
+            self.policy = self._make_policy(routing)
 
     def routing_stats(self) -> dict[str, Any]:
         stats = getattr(self.policy, "stats", None)
@@ -182,6 +207,8 @@ class Runtime:
             if hasattr(self.policy, counter):
                 out[counter] = getattr(self.policy, counter)
         out.update(self.routing_counts)
+        if self.routing_sync is not None and isinstance(out.get("shared_facts"), dict):
+            out["shared_facts"]["failing"] = self.routing_sync.failing
         return out
 
     def cache_stats(self) -> dict[str, Any]:
@@ -221,7 +248,7 @@ class Runtime:
                 self.pool.add(name, spec.url, weight=spec.weight, models=spec.models)
         self.settings = self.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
                                                          "timeouts": new.timeouts})
-        self.policy = make_policy(new.routing)
+        self.policy = self._make_policy(new.routing)
         return {"reloaded": True, "replicas": sorted(self.pool.replicas)}
 
     def status(self) -> dict[str, Any]:

@@ -17,7 +17,10 @@ Three layers, each with one job:
    A key no replica holds yet, while this instance carries all the traffic
    (``SharedLoad.alone``), is instead placed where its prefill starts soonest
    (``routing.backlog``), within a tighter ``new_key_epsilon``; its next
-   requests follow it there before the index learns of it.
+   requests follow it there before the index learns of it. With
+   ``share_index``, instances tell each other where they placed new keys and
+   which replicas hold which keys (``routing.gossip``, through Redis), so
+   several instances place new keys too.
 3. **Follow** (``routing.block_index``): if the first choice is not known to
    hold the key's prefix but another replica within the bound is (the key
    spilled there under load, or membership changed), that replica goes first;
@@ -42,6 +45,7 @@ from typing import Callable, Sequence
 from .backlog import CHARS_PER_TOKEN, Backlog, YoungKeys
 from .base import ReplicaView, RouteFeedback, RouteRequest, load_of
 from .block_index import BlockIndex
+from .gossip import HELD, PLACED, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, analyse
 from .load import SharedLoad
 from .placement import Placement
@@ -110,6 +114,8 @@ class PrefixAffinity:
         self.placement = Placement(self.settings.heavy_share, self.settings.epsilon * PACK_FACTOR)
         self.young = YoungKeys()
         self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
+        # Facts for other instances, when they share what they learn (routing.gossip).
+        self.gossip = Gossip() if self.settings.share_index else None
         self._salts: dict[str, int] = {}
         self._trust: dict[str, float] = {}
         # For metrics and the benchmark: decisions, and how many the index changed.
@@ -130,21 +136,41 @@ class PrefixAffinity:
         info = analyse(request, self.settings)
         if not info.hashes:
             return
-        if self.bits.full() and self.bits.get(feedback.replica) is None:
+        bit = self._bit(feedback.replica)
+        # The key this instance routed on (a peek if the request came another way).
+        key = self.keyer.key_for(request, max(1, len(self.bits)), learn=False).key
+        if self.gossip is not None and not self.index.holders(key) >> bit & 1:
+            self.gossip.note(HELD, key, feedback.replica)  # news to this instance, so to others
+        self._learn_trust(info, feedback, bit)
+        self.index.add(info.hashes, bit)
+        self.index.add_key(key, bit)
+
+    def learn_remote(self, fact: Fact) -> None:
+        """Apply what another instance learned (``routing.gossip``)."""
+        kind, key, replica = fact
+        if self.gossip is not None:
+            self.gossip.applied += 1
+        if kind in (HELD, PLACED):
+            # A key another instance placed is, for this one, held there: its prefill is
+            # under way, and the next turn may come here before the answer reaches anyone.
+            self.index.add_key(key, self._bit(replica))
+
+    def _bit(self, replica: str) -> int:
+        if self.bits.full() and self.bits.get(replica) is None:
             # Replica names churned past the id space (DNS pods coming and going):
             # start the index afresh rather than grow without bound.
             self.bits.clear()
             self.index.clear()
-        bit = self.bits.bit(feedback.replica)
-        self._learn_trust(info, feedback, bit)
-        self.index.add(info.hashes, bit)
-        # The key this instance routed on (a peek if the request came another way).
-        self.index.add_key(self.keyer.key_for(request, max(1, len(self.bits)), learn=False).key, bit)
+        return self.bits.bit(replica)
 
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided on its own."""
-        return {"heavy_keys_packed": len(self.placement), "alone": self.load.alone(),
-                "young_keys": len(self.young)}
+        out: dict[str, object] = {"heavy_keys_packed": len(self.placement), "alone": self.load.alone(),
+                                  "young_keys": len(self.young)}
+        if self.gossip is not None:
+            out["shared_facts"] = {"published": self.gossip.published, "applied": self.gossip.applied,
+                                   "pending": len(self.gossip)}
+        return out
 
     # -- internals ---------------------------------------------------------------------
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
@@ -163,12 +189,12 @@ class PrefixAffinity:
             self.load.update(replicas)
             self.decisions += 1
         # A key may go where the load is lowest rather than where it hashes only
-        # while this instance carries the replicas' traffic alone: another instance
-        # would not know where it went and would send its next turns to the first
-        # choice. And only a key nobody is known to hold yet (a new conversation, a one-off
-        # prompt): placing it elsewhere costs nothing now. A heavy key is left to
-        # its packed home, which already accounts for load.
-        placing = self.settings.new_key_epsilon is not None and self.load.alone()
+        # while this instance carries the replicas' traffic alone, or tells the
+        # other instances where it went (``routing.gossip``): otherwise they would
+        # send its next turns to the first choice. And only a key nobody is known to
+        # hold yet (a new conversation, a one-off prompt): placing it elsewhere costs
+        # nothing now. A heavy key is left to its packed home, which accounts for load.
+        placing = self.settings.new_key_epsilon is not None and (self.load.alone() or self.gossip is not None)
         placed = placing and packed is None and not self.index.holders(key)
         inside, over = self._bound(key, order, placed)
         info = analyse(request, self.settings)
@@ -187,6 +213,8 @@ class PrefixAffinity:
             self.backlog.add(ranked[0].name, self._uncached_tokens(info, ranked[0].name))
             if placed:
                 self.young.put(key, ranked[0].name)
+                if self.gossip is not None:
+                    self.gossip.note(PLACED, key, ranked[0].name)
         return ranked
 
     def _place(self, key: int, info: PrefixInfo, inside: list[ReplicaView]) -> list[ReplicaView]:

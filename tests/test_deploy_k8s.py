@@ -311,6 +311,7 @@ def test_shared_redis_url_comes_from_a_secret(tmp_path: Path) -> None:
     s = _settings_of(dep, tmp_path)
     assert s.redis_url is not None and s.redis_url.get_secret_value().startswith(("redis://", "rediss://"))
     assert s.semantic_cache.enabled
+    assert s.routing.share_index, "several gateway pods behind one Service share what they learn"
 
 
 @pytest.mark.parametrize("variant", ["shared", "sidecar"])

@@ -1,0 +1,95 @@
+"""Carry routing facts between gateway instances through a Redis stream (``routing.share_index``).
+
+Off the hot path. Routing appends facts to the policy's outbox
+(``routing.gossip``; policies that share nothing have none, and the loop idles);
+this loop publishes them every ``flush_s`` as one stream
+entry per batch, and tails the stream with a blocking ``XREAD`` on a
+connection of its own, applying the other instances' facts. The stream is
+capped (``MAXLEN ~``): facts are hints about the last minutes, not a log.
+
+A Redis fault costs only the sharing: the loop logs once per outage, drops
+what it could not send (the outbox is bounded anyway) and retries; routing
+goes on from what this instance knows, as it does without Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any, Callable
+
+from routing.gossip import Gossip, decode, encode
+
+log = logging.getLogger("kvgate.routing")
+
+STREAM = "kvgate:routing:facts"
+
+
+class RoutingSync:
+    def __init__(self, policy: Callable[[], Any], client: Any, tail: Any, *, flush_s: float = 0.05,
+                 block_ms: int = 1000, maxlen: int = 20_000, retry_s: float = 1.0) -> None:
+        self._policy = policy  # the runtime's current policy (an admin change replaces it)
+        self._r = client  # publishes
+        self._tail = tail  # blocks in XREAD; its own connection, with a read timeout above block_ms
+        self._flush = flush_s
+        self._block = block_ms
+        self._maxlen = maxlen
+        self._retry = retry_s
+        self.me = secrets.token_hex(8)
+        self.failing = False
+
+    def _gossip(self) -> Gossip | None:
+        return getattr(self._policy(), "gossip", None)
+
+    async def run(self) -> None:
+        await asyncio.gather(self._publish_loop(), self._tail_loop())
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._flush)
+            gossip = self._gossip()
+            facts = gossip.drain() if gossip is not None else []
+            if not facts:
+                continue
+            try:
+                await self._r.xadd(STREAM, {"src": self.me, "facts": encode(facts)},
+                                   maxlen=self._maxlen, approximate=True)
+                self._recovered()
+            except Exception as e:  # the loop never dies: sharing is a hint
+                self._fault("publish", e)
+                await asyncio.sleep(self._retry)
+
+    async def _tail_loop(self) -> None:
+        last = "$"  # facts from before this instance started are not worth replaying
+        while True:
+            if self._gossip() is None:
+                last = "$"
+                await asyncio.sleep(self._retry)
+                continue
+            try:
+                reply = await self._tail.xread({STREAM: last}, count=200, block=self._block)
+                self._recovered()
+            except Exception as e:
+                self._fault("tail", e)
+                await asyncio.sleep(self._retry)
+                continue
+            learn = getattr(self._policy(), "learn_remote", None)
+            for _, items in reply or []:
+                for event_id, fields in items:
+                    last = event_id.decode() if isinstance(event_id, bytes) else str(event_id)
+                    if learn is None or fields.get(b"src", b"").decode(errors="replace") == self.me:
+                        continue
+                    for fact in decode(fields.get(b"facts", b"[]")):
+                        learn(fact)
+
+    def _fault(self, what: str, e: BaseException) -> None:
+        if not self.failing:
+            # The exception's type only: a Redis error message may carry the URL.
+            log.warning("routing facts: Redis %s failed (%s); routing on local knowledge", what, type(e).__name__)
+        self.failing = True
+
+    def _recovered(self) -> None:
+        if self.failing:
+            log.info("routing facts: Redis reachable again; sharing resumed")
+        self.failing = False
