@@ -5,7 +5,8 @@ Off the hot path. Routing appends facts to the policy's outbox
 this loop publishes them every ``flush_s`` as one stream
 entry per batch, and tails the stream with a blocking ``XREAD`` on a
 connection of its own, applying the other instances' facts. The stream is
-capped (``MAXLEN ~``): facts are hints about the last minutes, not a log.
+capped (``MAXLEN ~``): facts are hints about the last minute, not a log. They
+hold routing-key hashes and replica names, never prompt text.
 
 A Redis fault costs only the sharing: the loop logs once per outage, drops
 what it could not send (the outbox is bounded anyway) and retries; routing
@@ -28,13 +29,17 @@ STREAM = "kvgate:routing:facts"
 
 class RoutingSync:
     def __init__(self, policy: Callable[[], Any], client: Any, tail: Any, *, flush_s: float = 0.05,
-                 block_ms: int = 1000, maxlen: int = 20_000, retry_s: float = 1.0) -> None:
+                 block_ms: int = 1000, maxlen: int = 1000, batch: int = 500, retry_s: float = 1.0) -> None:
         self._policy = policy  # the runtime's current policy (an admin change replaces it)
         self._r = client  # publishes
         self._tail = tail  # blocks in XREAD; its own connection, with a read timeout above block_ms
         self._flush = flush_s
         self._block = block_ms
+        # Entries are batches of at most ``batch`` facts: the stream stays under about
+        # 1000 x 500 x 50 bytes however busy the fleet, and a minute or so of facts
+        # at ordinary rates (the tail only ever reads what is new).
         self._maxlen = maxlen
+        self._batch = batch
         self._retry = retry_s
         self.me = secrets.token_hex(8)
         self.failing = False
@@ -49,7 +54,7 @@ class RoutingSync:
         while True:
             await asyncio.sleep(self._flush)
             gossip = self._gossip()
-            facts = gossip.drain() if gossip is not None else []
+            facts = gossip.drain(self._batch) if gossip is not None else []
             if not facts:
                 continue
             try:

@@ -130,11 +130,15 @@ def _wait(predicate: object, timeout: float = 10.0) -> bool:
     return False
 
 
-def test_two_kvgates_sharing_redis_send_each_turn_where_the_first_went(redis_service: str) -> None:
+@pytest.mark.parametrize("redis_kind", ["server", "cluster"])
+def test_two_kvgates_sharing_redis_send_each_turn_where_the_first_went(redis_kind: str,
+                                                                     request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue("redis_service") if redis_kind == "server" else \
+        request.getfixturevalue("redis_cluster").url
     routing = {"policy": "prefix_affinity", "share_index": True}
-    stack = start_stack(4, redis_url=redis_service, routing=routing)
+    stack = start_stack(4, redis_url=url, routing=routing)
     second = ServerThread(build_app(load_settings(environ={}, overrides={
-        "redis_url": redis_service, "routing": routing,
+        "redis_url": url, "routing": routing,
         "replicas": [{"name": n, "url": stack.sim_url(n)} for n in stack.sims]}))).start()
     try:
         one = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0)
