@@ -17,6 +17,12 @@ carrying more than ``hot_fraction / replicas`` of the requests:
   a home and meet its 16K tokens of policies, agent and tool schemas warm;
 * if every cut up to the cap is wide, the deepest one keys the request.
 
+Below the key, ``RouteKey.context`` names what one client keeps sending: the
+request's whole stable part (up to the end of its next-to-last message). A
+digital twin under its organisation's key has its own context; bounded load
+sheds, and the block index follows, by context, so twins of one organisation
+spread a few at a time and each stays warm where it went.
+
 Shares are learned per instance (``routing.hotness``); a prefix in every
 request or in one conversation is classified the same way everywhere, which is
 all instances need to agree. The threshold is a whole replica's share of
@@ -28,9 +34,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import xxhash
+
 from .base import RouteRequest
 from .block_index import sampled_positions
-from .boundary import candidate_cuts, explicit_cuts
+from .boundary import candidate_cuts, default_cap, explicit_cuts
 from .hashing import Rendered, chain_hashes, cut_hash, prefix_seed, render
 from .hotness import Popularity
 from .settings import RoutingSettings
@@ -42,6 +50,8 @@ _SCRATCH_KEY = "kvgate.key"
 # A prefix must be seen this many times within the window before it can be
 # wide: a burst of turns from one conversation never qualifies.
 _WIDE_MIN_COUNT = 8
+_PREFIX_ID_SALT = 0x636F6E7465787431
+_xxh = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +69,16 @@ class RouteKey:
     key: int  # hash of the exact prefix data[:cut]
     cut: int  # bytes of prefix the key covers
     wide: int  # how many shallower cuts were wide (0: the first cut keys the request)
+    # The request's whole stable context: the prefix up to the end of its
+    # next-to-last message (within the cap) when that is deeper than the key,
+    # else the key. One digital twin below its organisation's key; a
+    # conversation's first turn (its key already). What one client keeps
+    # sending, so bounded load sheds, and the index follows, by it.
+    context: int
+    # The prefix up to the cap (the first user turn and all before it): a
+    # conversation's first turn learns it, so that its later turns, whose
+    # context it is, follow the replica that served the first.
+    capped: int
 
 
 def analyse(request: RouteRequest, settings: RoutingSettings) -> PrefixInfo:
@@ -76,6 +96,23 @@ def analyse(request: RouteRequest, settings: RoutingSettings) -> PrefixInfo:
     info = PrefixInfo(rendered, seed, hashes, explicit, limit, block)
     request.scratch[_SCRATCH_INFO] = (tag, info)
     return info
+
+
+def _prefix_id(data: bytes, end: int, seed: int) -> int:
+    """An identity for ``data[:end]``, however long (one xxh3 pass, past ``max_blocks`` too)."""
+    return _xxh(memoryview(data)[:end], seed ^ _PREFIX_ID_SALT)
+
+
+def _context_ends(rendered: Rendered, explicit: list[int], cut: int) -> tuple[int | None, int]:
+    """(end of the request's stable context if deeper than ``cut``, else None; end of its cap)."""
+    _, cap = default_cap(rendered)
+    if explicit:
+        cap = max(cap, explicit[-1])
+    spans = rendered.spans
+    if len(spans) < 2:
+        return None, cap
+    within = min(cap, spans[-1].start)  # the last message is what changes
+    return max((s.end for s in spans if cut < s.end <= within), default=None), cap
 
 
 class PrefixKeyer:
@@ -103,11 +140,13 @@ class PrefixKeyer:
         data, hashes, seed, block = info.rendered.data, info.hashes, info.seed, info.block
         cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, self._positions)
         keys = [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c) for c in cuts]
-        chosen = RouteKey(seed, 0, 0)
+        chosen = RouteKey(seed, 0, 0, seed, seed)
         if keys:
             shares = self.popularity.shares(keys, window)
             i = next((j for j, share in enumerate(shares) if share <= wide_share), len(keys) - 1)
-            chosen = RouteKey(keys[i], cuts[i], i)
+            context, cap = _context_ends(info.rendered, info.explicit, cuts[i])
+            chosen = RouteKey(keys[i], cuts[i], i, keys[i] if context is None else _prefix_id(data, context, seed),
+                              _prefix_id(data, cap, seed))
         if learn:
             # Every cut is counted, not only the walked ones: a deeper prefix's share
             # must be known from the start, or it would lag behind its parent's.

@@ -8,9 +8,10 @@ Three layers, each with one job:
    or an organisation's requests behind a global system prompt.
 2. **Order** (``routing.rendezvous``): the key's rendezvous order over the
    eligible replicas (a heavy key's packed home first, ``routing.placement``),
-   with bounded load. A replica is skipped (moved to the
-   back) when its time-averaged *shared* load (scraped running + waiting) is
-   past (1 + epsilon) x mean, or its load right now (with this instance's
+   with bounded load. A replica sheds (moves to the back) a hash-chosen
+   fraction of the request contexts (``RouteKey.context``: one twin of an
+   organisation, not the whole organisation at once) when its time-averaged
+   *shared* load (scraped running + waiting) is past (1 + epsilon) x mean, or its load right now (with this instance's
    in-flight) is past (1 + burst_epsilon) x mean. The averaged view is the
    same on every gateway instance, so they move a key off an overloaded
    replica together; the instantaneous check only stops a pile-up.
@@ -21,8 +22,9 @@ Three layers, each with one job:
    ``share_index``, instances tell each other where they placed new keys and
    which replicas hold which keys (``routing.gossip``, through Redis), so
    several instances place new keys too.
-3. **Follow** (``routing.block_index``): if the first choice is not known to
-   hold the key's prefix but another replica within the bound is (the key
+3. **Follow** (``routing.block_index``): a request context served before
+   (a twin) follows the replica that served it; otherwise its key. If the first
+   choice is not known to hold that prefix but another replica within the bound is (the key
    spilled there under load, or membership changed), that replica goes first;
    if the first choice holds it, only a *clearly* deeper prefix elsewhere (at
    least ``index_min_gain_chars`` and half again deeper: a conversation that
@@ -138,12 +140,15 @@ class PrefixAffinity:
             return
         bit = self._bit(feedback.replica)
         # The key this instance routed on (a peek if the request came another way).
-        key = self.keyer.key_for(request, max(1, len(self.bits)), learn=False).key
-        if self.gossip is not None and not self.index.holders(key) >> bit & 1:
-            self.gossip.note(HELD, key, feedback.replica)  # news to this instance, so to others
+        route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
+        keys = dict.fromkeys((route.key, route.context, route.capped))
+        for key in keys:
+            if self.gossip is not None and not self.index.holders(key) >> bit & 1:
+                self.gossip.note(HELD, key, feedback.replica)  # news to this instance, so to others
         self._learn_trust(info, feedback, bit)
         self.index.add(info.hashes, bit)
-        self.index.add_key(key, bit)
+        for key in keys:
+            self.index.add_key(key, bit)
 
     def learn_remote(self, fact: Fact) -> None:
         """Apply what another instance learned (``routing.gossip``)."""
@@ -178,7 +183,8 @@ class PrefixAffinity:
             return list(replicas)
         if len(self._salts) > _MAX_REPLICA_IDS:
             self._salts.clear()
-        key = self.keyer.key_for(request, len(replicas), learn=learn).key
+        route = self.keyer.key_for(request, len(replicas), learn=learn)
+        key, context = route.key, route.context
         order = rendezvous_order(key, replicas, self._salts)
         if learn:
             self.placement.record(key, len(replicas))
@@ -196,12 +202,14 @@ class PrefixAffinity:
         # nothing now. A heavy key is left to its packed home, which accounts for load.
         placing = self.settings.new_key_epsilon is not None and (self.load.alone() or self.gossip is not None)
         placed = placing and packed is None and not self.index.holders(key)
-        inside, over = self._bound(key, order, placed)
+        inside, over = self._bound(context, order, placed)
         info = analyse(request, self.settings)
         if placed and len(inside) > 1:
             inside = self._place(key, info, inside)
         elif len(inside) > 1:
-            pick = self._follow(info, key, inside)
+            # A context served before (one twin of an organisation) follows where it
+            # was served; a new one follows its key (where its siblings are).
+            pick = self._follow(info, context if context != key and self.index.holders(context) else key, inside)
             if pick and learn:
                 self.follows += 1
             inside = _to_front(inside, pick)
@@ -238,9 +246,14 @@ class PrefixAffinity:
         held = self.index.depth_of(info.hashes, bit) * info.block if bit is not None and info.hashes else 0
         return max(0, len(info.rendered.data) - held) / CHARS_PER_TOKEN
 
-    def _bound(self, key: int, order: list[ReplicaView],
+    def _bound(self, context: int, order: list[ReplicaView],
                placed: bool) -> tuple[list[ReplicaView], list[ReplicaView]]:
-        """(replicas that may take the request, in ``order``; the rest, least loaded now first)."""
+        """(replicas that may take the request, in ``order``; the rest, least loaded now first).
+
+        An overloaded replica sheds a hash-chosen fraction of request *contexts*:
+        every instance sheds the same ones, and a heavy key (an organisation)
+        overflows a few twins at a time, each always to the same next replica.
+        """
         weights = [r.weight for r in order]
         now = [load_of(r) for r in order]
         shed = shed_fractions([self.load.get(r) for r in order], weights, self.settings.epsilon, _STEADY_FLOOR)
@@ -249,7 +262,7 @@ class PrefixAffinity:
         if placed and new_eps is not None and new_eps < eps:
             eps, floor = new_eps, _NEW_KEY_FLOOR
         burst = within_bound(now, weights, eps, floor)
-        fits = [b and not sheds(key, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]
+        fits = [b and not sheds(context, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]
         inside = [r for r, ok in zip(order, fits) if ok]
         over = sorted((i for i, ok in enumerate(fits) if not ok), key=lambda i: (now[i], i))
         return inside, [order[i] for i in over]

@@ -1,0 +1,77 @@
+"""Request contexts below a routing key: one digital twin under its organisation's key."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from bench.routing_sim import SimView as View
+from routing import RouteFeedback, RouteRequest, RoutingSettings
+from routing.keys import PrefixKeyer
+from routing.prefix_affinity import PrefixAffinity
+from routing.rendezvous import shed_fractions, sheds
+from tests.support.clock import Clock
+
+ORG = "Policies of Example Corp: refunds within 30 days, escalate legal threats. " * 60  # ~4.4K chars
+
+
+def twin(t: int, q: int) -> RouteRequest:
+    system = ORG + f"You are twin {t}, " + f"profile line {t}. " * 12  # a short tail of its own
+    return RouteRequest("chat", "m", "org", {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": f"question {q}: " + "details " * 30}]})
+
+
+def conversation(c: int, turns: int, system: str | None = None) -> RouteRequest:
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs += [{"role": "user", "content": f"conversation {c}: " + "hello " * 30}]
+    for i in range(1, turns):
+        msgs += [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": f"more {i}"}]
+    return RouteRequest("chat", "m", "org", {"model": "m", "messages": msgs})
+
+
+def test_a_twin_has_its_own_context_under_its_organisations_key() -> None:
+    keyer = PrefixKeyer(RoutingSettings())
+    a, b, a_again = (keyer.key_for(r, 8) for r in (twin(1, 1), twin(2, 2), twin(1, 3)))
+    assert a.key == b.key  # the organisation keys both
+    assert a.context != b.context and a.context == a_again.context != a.key
+    # A conversation's later turns have their first turn as context: what its first turn indexes.
+    c1, c3 = keyer.key_for(conversation(7, 1), 8), keyer.key_for(conversation(7, 3), 8)
+    assert c1.key == c3.key and c3.context == c1.capped
+
+
+def test_an_overloaded_replica_sheds_twins_one_at_a_time() -> None:
+    keyer = PrefixKeyer(RoutingSettings())
+    contexts = [keyer.key_for(twin(t, t), 8).context for t in range(200)]
+    shed = Counter(sheds(c, "r0", 0.3) for c in contexts)
+    # About 30% of the organisation's twins move, not all of it or none.
+    assert 35 <= shed[True] <= 85
+    assert shed_fractions([10, 4, 4, 4], [1, 1, 1, 1], 0.25)[0] > 0
+
+
+def test_a_twin_served_elsewhere_is_followed_there_while_its_siblings_stay() -> None:
+    policy = PrefixAffinity(RoutingSettings(new_key_epsilon=None), Clock())
+    replicas = [View(f"r{i}", running=4.0, waiting=0.0) for i in range(8)]
+    home = policy.prefer(twin(1, 1), replicas)[0].name
+    policy.observe(twin(1, 1), RouteFeedback(home, None, None, True))
+    other = next(r.name for r in replicas if r.name != home)
+    # Twin 2 was served on another replica (a spill): its own prefix is warm there.
+    policy.observe(twin(2, 1), RouteFeedback(other, None, None, True))
+    assert policy.prefer(twin(2, 2), replicas)[0].name == other
+    assert policy.prefer(twin(1, 2), replicas)[0].name == home
+    # A twin never served follows its organisation's key.
+    assert policy.prefer(twin(3, 1), replicas)[0].name == home
+
+
+def test_a_conversations_later_turns_follow_its_first() -> None:
+    # One tenant's application: its system prompt keys all its conversations.
+    policy = PrefixAffinity(RoutingSettings(new_key_epsilon=None), Clock())
+    replicas = [View(f"r{i}", running=4.0, waiting=0.0) for i in range(8)]
+    home = policy.prefer(conversation(1, 1, ORG), replicas)[0].name
+    for c in range(1, 4):
+        policy.observe(conversation(c, 1, ORG), RouteFeedback(home, None, None, True))
+    served = next(r.name for r in replicas if r.name != home)  # a retry landed elsewhere
+    policy.observe(conversation(9, 1, ORG), RouteFeedback(served, None, None, True))
+    # Its next turns follow it there; its siblings and new conversations stay home.
+    assert policy.prefer(conversation(9, 2, ORG), replicas)[0].name == served
+    assert policy.prefer(conversation(9, 5, ORG), replicas)[0].name == served
+    assert policy.prefer(conversation(2, 2, ORG), replicas)[0].name == home
+    assert policy.prefer(conversation(10, 1, ORG), replicas)[0].name == home
