@@ -11,8 +11,9 @@ Three layers, each with one job:
    with bounded load. A replica sheds (moves to the back) a hash-chosen
    fraction of the request contexts (``RouteKey.context``: one twin of an
    organisation, not the whole organisation at once) when its time-averaged
-   *shared* load (scraped running + waiting) is past (1 + epsilon) x mean, or its load right now (with this instance's
-   in-flight) is past (1 + burst_epsilon) x mean. The averaged view is the
+   *shared* load (scraped running + waiting) is past (1 + epsilon) x mean, and
+   is skipped when its load right now (with this instance's in-flight) is past
+   (1 + burst_epsilon) x mean. The averaged view is the
    same on every gateway instance, so they move a key off an overloaded
    replica together; the instantaneous check only stops a pile-up.
    A key no replica holds yet, while this instance carries all the traffic
@@ -23,9 +24,10 @@ Three layers, each with one job:
    which replicas hold which keys (``routing.gossip``, through Redis), so
    several instances place new keys too.
 3. **Follow** (``routing.block_index``): a request context served before
-   (a twin) follows the replica that served it; otherwise its key. If the first
-   choice is not known to hold that prefix but another replica within the bound is (the key
-   spilled there under load, or membership changed), that replica goes first;
+   (a twin) follows the replica that served it; otherwise its key. If the
+   first choice is not known to hold that prefix but another replica within
+   the bound is (it spilled there under load, or membership changed), that
+   replica goes first;
    if the first choice holds it, only a *clearly* deeper prefix elsewhere (at
    least ``index_min_gain_chars`` and half again deeper: a conversation that
    spilled on its last turn) moves the request. A shallower shared prefix
@@ -139,7 +141,8 @@ class PrefixAffinity:
         if not info.hashes:
             return
         bit = self._bit(feedback.replica)
-        # The key this instance routed on (a peek if the request came another way).
+        # The key this instance routed on (a peek if the request came another way),
+        # the request's context, and its first turn (the context of its next turns).
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
         keys = dict.fromkeys((route.key, route.context, route.capped))
         for key in keys:
