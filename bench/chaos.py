@@ -47,6 +47,9 @@ GATEWAY = {
     # Slow active health checks: a replica that just died must be found by requests (refused
     # connections, retries, passive ejection), not by a check that happened to run first.
     "pool": {"health_interval_s": 5.0, "metrics_interval_s": 0.5, "eject_base_s": 2.0, "eject_max_s": 6.0},
+    # Routing facts published and tailed through the same Redis: its faults must cost
+    # the sharing only.
+    "routing": {"share_index": True},
 }
 DEADLINE_S = 20.0  # no answer by then: lost
 _PROBE = {"model": MODEL, "messages": [{"role": "user", "content": "settle probe"}], "max_tokens": 1}

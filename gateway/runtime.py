@@ -277,6 +277,8 @@ class Runtime:
                 degraded.append(f"{part}: {state}")
         if self.cache is not None and not self.cache.healthy:
             degraded.append("semantic cache: store degraded, serving misses")
+        if self.routing_sync is not None and self.routing_sync.failing:
+            degraded.append("routing facts: Redis unreachable, routing on this instance's knowledge")
         if self.shutting_down:
             degraded.append("shutting down")
         ready = (self.started and not self.shutting_down and bool(self.pool.replicas) and not unserved

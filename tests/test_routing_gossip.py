@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 from hypothesis import given
@@ -174,5 +175,7 @@ def test_a_redis_outage_costs_the_sharing_not_the_serving(private_redis: Private
         sync = stack.runtime.routing_sync
         assert sync is not None and _wait(lambda: sync.failing)
         assert stack.runtime.routing_stats()["shared_facts"]["failing"] is True
+        ready = httpx.get(stack.url + "/readyz", timeout=5)
+        assert ready.status_code == 200 and any("routing facts" in d for d in ready.json()["degraded"])
     finally:
         stack.close()
