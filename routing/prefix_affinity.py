@@ -142,9 +142,10 @@ class PrefixAffinity:
             return
         bit = self._bit(feedback.replica)
         # The key this instance routed on (a peek if the request came another way),
-        # the request's context, and its first turn (the context of its next turns).
+        # the request's context, and for chat its first turn (the context of its
+        # next turns; a completions prompt has no turns to come back to).
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
-        keys = dict.fromkeys((route.key, route.context, route.capped))
+        keys = dict.fromkeys((route.key, route.context) + ((route.capped,) if request.endpoint == "chat" else ()))
         for key in keys:
             if self.gossip is not None and not self.index.holders(key) >> bit & 1:
                 self.gossip.note(HELD, key, feedback.replica)  # news to this instance, so to others
