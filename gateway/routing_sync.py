@@ -31,8 +31,8 @@ class RoutingSync:
     def __init__(self, policy: Callable[[], Any], client: Any, tail: Any, *, flush_s: float = 0.05,
                  block_ms: int = 1000, maxlen: int = 1000, batch: int = 500, retry_s: float = 1.0) -> None:
         self._policy = policy  # the runtime's current policy (an admin change replaces it)
-        self._r = client  # publishes
-        self._tail = tail  # blocks in XREAD; its own connection, with a read timeout above block_ms
+        self._r = client  # publishes (the runtime's client; the runtime closes it)
+        self._tail = tail  # blocks in XREAD: owned here, with a read timeout above block_ms
         self._flush = flush_s
         self._block = block_ms
         # Entries are batches of at most ``batch`` facts: the stream stays under about
@@ -87,6 +87,9 @@ class RoutingSync:
                         continue
                     for fact in decode(fields.get(b"facts", b"[]")):
                         learn(fact)
+
+    async def aclose(self) -> None:
+        await self._tail.aclose()
 
     def _fault(self, what: str, e: BaseException) -> None:
         if not self.failing:

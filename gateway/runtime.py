@@ -81,7 +81,6 @@ class Runtime:
         self.routing_counts = {"first_choice": 0, "retried": 0}
         self.background: set[asyncio.Task[Any]] = set()
         self.routing_sync: RoutingSync | None = None
-        self._closing: list[Any] = []  # further Redis clients to close at stop
         self.started = False
         self.shutting_down = False
 
@@ -114,8 +113,8 @@ class Runtime:
         await self.pool.stop()
         if self.cache is not None:
             await self.cache.aclose()
-        for extra in self._closing:
-            await extra.aclose()
+        if self.routing_sync is not None:
+            await self.routing_sync.aclose()
         if self.redis is not None:
             await self.redis.aclose()
         await self.client.aclose()
@@ -131,14 +130,14 @@ class Runtime:
 
     def _share_routing(self) -> None:
         """Publish and apply routing facts through Redis while the policy shares them."""
-        if self.redis is None or self.settings.redis_url is None:
+        url = self.settings.redis_url
+        if self.redis is None or url is None:
             return
-        url, timeout = self.settings.redis_url.get_secret_value(), self.settings.redis_timeout_s
+        timeout = self.settings.redis_timeout_s
         # The tail blocks in XREAD for up to a second: its own connection, read timeout above that.
-        tail = redis_client.connect(url, timeout_s=timeout, read_timeout_s=timeout + 1.0)
+        tail = redis_client.connect(url.get_secret_value(), timeout_s=timeout, read_timeout_s=timeout + 1.0)
         self.routing_sync = RoutingSync(lambda: self.policy, self.redis, tail)
         self.spawn(self.routing_sync.run())
-        self._closing.append(tail)
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """A background task the runtime keeps a reference to (and cancels at stop)."""

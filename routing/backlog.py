@@ -14,7 +14,8 @@ known exactly, since only the *order* between replicas is used; too high a
 rate makes every queue look empty and the rendezvous order decides, too low a
 rate degrades to "least prompt tokens sent recently", still a fair spread).
 It only covers this instance's own traffic, so the policy uses it where that is
-all the traffic (``SharedLoad.alone``) and the key is not held anywhere.
+all the traffic (``SharedLoad.alone``), or where the other instances hear where
+each key went (``routing.gossip``), and only for keys not held anywhere.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from typing import Any, Sequence
 
 from .hashing import Rendered, Span
 
-__all__ = ["explicit_cuts", "default_cap", "candidate_cuts", "strip_cache_control", "parse_boundary_hint"]
+__all__ = ["explicit_cuts", "default_cap", "stable_cap", "candidate_cuts", "strip_cache_control",
+           "parse_boundary_hint"]
 
 # Anthropic allows four breakpoints; a few more leave room for markers and the header.
 _MAX_EXPLICIT = 8
@@ -81,6 +82,17 @@ def default_cap(rendered: Rendered) -> tuple[int, int]:
     return 0, len(rendered.data)
 
 
+def stable_cap(rendered: Rendered, explicit: list[int]) -> int:
+    """Where the prefix a request keeps for life ends: the first user turn, or a deeper explicit cut.
+
+    A breakpoint deeper than the first user turn (the common Anthropic pattern
+    marks the newest message) extends the cap; levels there are only reached
+    when everything shallower is hot.
+    """
+    _, cap = default_cap(rendered)
+    return max(cap, explicit[-1]) if explicit else cap
+
+
 def candidate_cuts(
     rendered: Rendered, explicit: list[int], limit: int, block: int, positions: Sequence[int]
 ) -> list[int]:
@@ -92,13 +104,7 @@ def candidate_cuts(
     one organisation's policies end inside a long system prompt. ``limit`` is
     the number of bytes covered by hashes (``max_blocks``).
     """
-    _, cap = default_cap(rendered)
-    if explicit:
-        # A breakpoint deeper than the first user turn (the common Anthropic pattern
-        # marks the newest message) extends the cap; levels there are only
-        # reached when everything shallower is hot.
-        cap = max(cap, explicit[-1])
-    cap = min(cap, limit)
+    cap = min(stable_cap(rendered, explicit), limit)
     cuts = {s.end for s in rendered.spans if s.end <= cap}
     cuts.update(c for c in explicit if c <= cap)
     for p in positions[: bisect_right(positions, cap // block - 1)]:

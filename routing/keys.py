@@ -38,7 +38,7 @@ import xxhash
 
 from .base import RouteRequest
 from .block_index import sampled_positions
-from .boundary import candidate_cuts, default_cap, explicit_cuts
+from .boundary import candidate_cuts, explicit_cuts, stable_cap
 from .hashing import Rendered, chain_hashes, cut_hash, prefix_seed, render
 from .hotness import Popularity
 from .settings import RoutingSettings
@@ -105,9 +105,7 @@ def _prefix_id(data: bytes, end: int, seed: int) -> int:
 
 def _context_ends(rendered: Rendered, explicit: list[int], cut: int) -> tuple[int | None, int]:
     """(end of the request's stable context if deeper than ``cut``, else None; end of its cap)."""
-    _, cap = default_cap(rendered)
-    if explicit:
-        cap = max(cap, explicit[-1])
+    cap = stable_cap(rendered, explicit)
     spans = rendered.spans
     if len(spans) < 2:
         return None, cap
@@ -144,9 +142,10 @@ class PrefixKeyer:
         if keys:
             shares = self.popularity.shares(keys, window)
             i = next((j for j, share in enumerate(shares) if share <= wide_share), len(keys) - 1)
-            context, cap = _context_ends(info.rendered, info.explicit, cuts[i])
-            chosen = RouteKey(keys[i], cuts[i], i, keys[i] if context is None else _prefix_id(data, context, seed),
-                              _prefix_id(data, cap, seed))
+            end, cap = _context_ends(info.rendered, info.explicit, cuts[i])
+            context = keys[i] if end is None else _prefix_id(data, end, seed)
+            # A later turn's context is its cap: hashed once.
+            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == cap else _prefix_id(data, cap, seed))
         if learn:
             # Every cut is counted, not only the walked ones: a deeper prefix's share
             # must be known from the start, or it would lag behind its parent's.

@@ -156,13 +156,12 @@ class PrefixAffinity:
 
     def learn_remote(self, fact: Fact) -> None:
         """Apply what another instance learned (``routing.gossip``)."""
-        kind, key, replica = fact
+        _, key, replica = fact
         if self.gossip is not None:
             self.gossip.applied += 1
-        if kind in (HELD, PLACED):
-            # A key another instance placed is, for this one, held there: its prefill is
-            # under way, and the next turn may come here before the answer reaches anyone.
-            self.index.add_key(key, self._bit(replica))
+        # Either kind: a key another instance placed is, for this one, held there (its
+        # prefill is under way; the next turn may come here before the answer is back).
+        self.index.add_key(key, self._bit(replica))
 
     def _bit(self, replica: str) -> int:
         if self.bits.full() and self.bits.get(replica) is None:

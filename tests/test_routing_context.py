@@ -9,6 +9,7 @@ from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.keys import PrefixKeyer
 from routing.prefix_affinity import PrefixAffinity
 from routing.rendezvous import shed_fractions, sheds
+from tests.support.chats import conversation
 from tests.support.clock import Clock
 
 ORG = "Policies of Example Corp: refunds within 30 days, escalate legal threats. " * 60  # ~4.4K chars
@@ -18,14 +19,6 @@ def twin(t: int, q: int) -> RouteRequest:
     system = ORG + f"You are twin {t}, " + f"profile line {t}. " * 12  # a short tail of its own
     return RouteRequest("chat", "m", "org", {"model": "m", "messages": [
         {"role": "system", "content": system}, {"role": "user", "content": f"question {q}: " + "details " * 30}]})
-
-
-def conversation(c: int, turns: int, system: str | None = None) -> RouteRequest:
-    msgs = [{"role": "system", "content": system}] if system else []
-    msgs += [{"role": "user", "content": f"conversation {c}: " + "hello " * 30}]
-    for i in range(1, turns):
-        msgs += [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": f"more {i}"}]
-    return RouteRequest("chat", "m", "org", {"model": "m", "messages": msgs})
 
 
 def test_a_twin_has_its_own_context_under_its_organisations_key() -> None:

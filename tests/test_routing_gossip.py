@@ -17,6 +17,7 @@ from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.gossip import HELD, PLACED, Gossip, decode, encode
 from routing.prefix_affinity import PrefixAffinity
 from routing.rendezvous import rendezvous_order
+from tests.support import chats
 from tests.support.clock import Clock
 from tests.support.redis_server import PrivateRedis
 from tests.support.servers import ServerThread
@@ -48,10 +49,7 @@ def test_the_outbox_is_bounded_and_drains_in_order() -> None:
 def conversation(i: int, turns: int = 1) -> RouteRequest:
     # No shared system prompt: every instance keys it on its first turn from the start
     # (a prompt shared by all traffic is recognised as such only after some traffic).
-    messages = [{"role": "user", "content": f"conversation {i}: " + "tell me about routing. " * 30}]
-    for t in range(1, turns):
-        messages += [{"role": "assistant", "content": f"answer {t}"}, {"role": "user", "content": f"more {t}"}]
-    return RouteRequest("chat", "m", "t", {"model": "m", "messages": messages})
+    return chats.conversation(i, turns, filler="tell me about routing. ")
 
 
 def busy_fleet(n: int = 8) -> list[View]:
