@@ -12,7 +12,7 @@ from gateway.settings import TenantSettings
 from policies.ratelimit import UNLIMITED, RateLimiter
 from policies.tenants import Tenant, tenant_from_settings
 from policies.window import Counter, admit, estimate, retry_after, roll, wait_s
-from tests.support.redis_fixtures import client, pfx, redis_service  # noqa: F401 (fixtures)
+from tests.support.redis_fixtures import SHARED_TIMEOUT_S, client, pfx, redis_service  # noqa: F401 (fixtures)
 from tests.support.redis_server import PrivateRedis
 
 
@@ -120,7 +120,7 @@ async def test_tokens_per_minute_refuses_once_used_up() -> None:
 async def test_limits_hold_across_two_instances_sharing_redis(redis_service: str, pfx: str) -> None:
     t = tenant(rpm=5)
     async with client(redis_service) as ra, client(redis_service) as rb:
-        a, b = RateLimiter(ra, prefix=pfx), RateLimiter(rb, prefix=pfx)
+        a, b = (RateLimiter(r, prefix=pfx, timeout_s=SHARED_TIMEOUT_S) for r in (ra, rb))
         decisions = [await (a if i % 2 else b).check(t) for i in range(8)]
         assert sum(d.allowed for d in decisions) == 5
         assert [d.allowed for d in decisions[:5]] == [True] * 5
@@ -136,7 +136,7 @@ async def test_limits_hold_across_two_instances_sharing_redis(redis_service: str
 async def test_tokens_recorded_on_one_instance_limit_the_other(redis_service: str, pfx: str) -> None:
     t = tenant(rpm=100, tpm=500)
     async with client(redis_service) as ra, client(redis_service) as rb:
-        a, b = RateLimiter(ra, prefix=pfx), RateLimiter(rb, prefix=pfx)
+        a, b = (RateLimiter(r, prefix=pfx, timeout_s=SHARED_TIMEOUT_S) for r in (ra, rb))
         first = await a.check(t, cost_tokens=100)  # a reservation counts at once
         assert first.allowed and first.tokens_remaining == 400
         await a.record_tokens(t, 450)
@@ -205,7 +205,7 @@ async def test_the_lua_script_and_the_local_arithmetic_agree(redis_service: str,
             await anyio.sleep(hour - now % hour + 0.1)
             seconds, micros = await r.time()
             now = seconds + micros / 1e6
-        shared = RateLimiter(r, prefix=pfx, window_s=hour)
+        shared = RateLimiter(r, prefix=pfx, window_s=hour, timeout_s=SHARED_TIMEOUT_S)
         local = RateLimiter(None, clock=FakeClock(now), window_s=hour)
         t = tenant(rpm=4, tpm=300)
         steps = [("check", 0), ("check", 100), ("record", 150), ("check", 0), ("check", 60), ("check", 0),
