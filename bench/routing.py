@@ -70,7 +70,7 @@ MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity")
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
     q = args.quick
     makers = {
-        "twin": lambda: twin.build(n_requests=120 if q else 1200, rate=1.0, seed=args.twin_seed),
+        "twin": lambda: twin.build(n_requests=120 if q else args.twin_requests, rate=1.0, seed=args.twin_seed),
         "mtbench": lambda: mtbench.build(args.data, rate=1.0, limit=60 if q else None),
         "mooncake": lambda: mooncake.build(args.data, minutes=1.0 if q else args.mooncake_minutes),
         "shared_prefix": lambda: shared_prefix.build(groups=16 if q else 64, per_group=8 if q else 48, rate=1.0),
@@ -198,6 +198,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--large-kv", action="store_true", help="KV pools large enough never to evict")
     p.add_argument("--mooncake-minutes", type=float, default=10.0, help="trace prefix to replay")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--twin-requests", type=int, default=3600,
+                   help="twin requests (360 twins): fewer leave the cold start to dominate (1200: ~3 per twin)")
     p.add_argument("--twin-seed", type=int, default=1,
                    help="the twin layout's seed (which twins are hot, arrivals); its p95 moves by seconds")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")

@@ -24,12 +24,12 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-__all__ = ["Backlog", "CHARS_PER_TOKEN", "YoungKeys"]
+__all__ = ["Backlog", "CHARS_PER_TOKEN", "LastSent"]
 
 # Rendered prompt characters per token: routing never tokenises.
 CHARS_PER_TOKEN = 4.0
 _MAX_REPLICAS = 4096
-_MAX_YOUNG = 4096
+_MAX_KEYS = 4096
 
 
 class Backlog:
@@ -57,18 +57,21 @@ class Backlog:
         self._at[name] = self._clock()
 
 
-class YoungKeys:
-    """Where this instance placed keys the index does not know yet (LRU, bounded).
+class LastSent:
+    """Where this instance last sent each key (LRU, bounded).
 
-    The index learns a replica holds a prefix when its answer comes back; a
-    long prompt's next requests arrive before that, and must go where the
-    first went, not wherever the queue is shortest at that moment.
+    The index learns that a replica holds a prefix when its answer comes back;
+    a long prompt's next requests arrive before that, and must go where the
+    first went, not wherever the queue is shortest at that moment. The policy
+    keeps two: keys it placed that the index does not know yet, and where each
+    request context went last (its home while the load wobbles).
     """
 
-    __slots__ = ("_homes",)
+    __slots__ = ("_homes", "_cap")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = _MAX_KEYS) -> None:
         self._homes: OrderedDict[int, str] = OrderedDict()
+        self._cap = capacity
 
     def __len__(self) -> int:
         return len(self._homes)
@@ -79,5 +82,5 @@ class YoungKeys:
     def put(self, key: int, name: str) -> None:
         self._homes[key] = name
         self._homes.move_to_end(key)
-        if len(self._homes) > _MAX_YOUNG:
+        if len(self._homes) > self._cap:
             self._homes.popitem(last=False)

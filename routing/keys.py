@@ -104,13 +104,17 @@ def _prefix_id(data: bytes, end: int, seed: int) -> int:
 
 
 def _context_ends(rendered: Rendered, explicit: list[int], cut: int) -> tuple[int | None, int]:
-    """(end of the request's stable context if deeper than ``cut``, else None; end of its cap)."""
+    """(end of the request's stable context if as deep as ``cut``, else None; end of its cap).
+
+    A context as deep as the key gets its own identity all the same: the key's
+    depth moves with popularity, and a context must keep one name throughout.
+    """
     cap = stable_cap(rendered, explicit)
     spans = rendered.spans
     if len(spans) < 2:
         return None, cap
     within = min(cap, spans[-1].start)  # the last message is what changes
-    return max((s.end for s in spans if cut < s.end <= within), default=None), cap
+    return max((s.end for s in spans if cut <= s.end <= within), default=None), cap
 
 
 class PrefixKeyer:

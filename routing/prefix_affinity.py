@@ -23,8 +23,12 @@ Three layers, each with one job:
    ``share_index``, instances tell each other where they placed new keys and
    which replicas hold which keys (``routing.gossip``, through Redis), so
    several instances place new keys too.
-3. **Follow** (``routing.block_index``): a request context served before
-   (a twin) follows the replica that served it; otherwise its key. If the
+3. **Follow** (``routing.block_index``): while this instance carries all the
+   traffic, a request context goes back to the replica it last sent it to,
+   which loses it only past looser bounds than a newcomer (hysteresis: load
+   wobbling around the bound must not move twins back and forth, each move
+   paying their whole prefix). Otherwise a context served before (a twin)
+   follows the replica that served it; else its key. If the
    first choice is not known to hold that prefix but another replica within
    the bound is (it spilled there under load, or membership changed), that
    replica goes first;
@@ -46,7 +50,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from .backlog import CHARS_PER_TOKEN, Backlog, YoungKeys
+from .backlog import CHARS_PER_TOKEN, Backlog, LastSent
 from .base import ReplicaView, RouteFeedback, RouteRequest, load_of
 from .block_index import BlockIndex
 from .gossip import HELD, PLACED, Fact, Gossip
@@ -64,11 +68,17 @@ _GAIN_RATIO = 1.5
 _TRUST_ALPHA = 0.1
 _MIN_TRUST = 0.5
 _MAX_REPLICA_IDS = 4096
+# Contexts whose last replica is remembered (about 1 MB): a fleet's active twins and chats.
+_MAX_CONTEXTS = 65_536
 # Below these many requests over the mean, a replica is never skipped: at a few
 # requests per replica, such differences are Poisson noise, not imbalance.
 _STEADY_FLOOR = 2.0
 _BURST_FLOOR = 4.0
 _NEW_KEY_FLOOR = 1.0
+# A context stays where it went last until that replica is past these multiples of
+# epsilon (averaged load) and burst_epsilon (load right now).
+_STAY_STEADY = 2.0
+_STAY_BURST = 1.5
 # Heavy keys are packed to half the load bound: room for estimate noise and bursts.
 PACK_FACTOR = 0.5
 
@@ -116,7 +126,8 @@ class PrefixAffinity:
         self.bits = ReplicaBits()
         self.load = SharedLoad(self.settings.load_average_s, clock)
         self.placement = Placement(self.settings.heavy_share, self.settings.epsilon * PACK_FACTOR)
-        self.young = YoungKeys()
+        self.young = LastSent()
+        self.recent = LastSent(_MAX_CONTEXTS)
         self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
         # Facts for other instances, when they share what they learn (routing.gossip).
         self.gossip = Gossip() if self.settings.share_index else None
@@ -150,6 +161,7 @@ class PrefixAffinity:
             if self.gossip is not None and not self.index.holders(key) >> bit & 1:
                 self.gossip.note(HELD, key, feedback.replica)  # news to this instance, so to others
         self._learn_trust(info, feedback, bit)
+        self.recent.put(route.context, feedback.replica)  # a retry may have served it elsewhere
         self.index.add(info.hashes, bit)
         for key in keys:
             self.index.add_key(key, bit)
@@ -174,7 +186,7 @@ class PrefixAffinity:
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided on its own."""
         out: dict[str, object] = {"heavy_keys_packed": len(self.placement), "alone": self.load.alone(),
-                                  "young_keys": len(self.young)}
+                                  "young_keys": len(self.young), "recent_contexts": len(self.recent)}
         if self.gossip is not None:
             out["shared_facts"] = {"published": self.gossip.published, "applied": self.gossip.applied,
                                    "pending": len(self.gossip)}
@@ -205,9 +217,15 @@ class PrefixAffinity:
         # nothing now. A heavy key is left to its packed home, which accounts for load.
         placing = self.settings.new_key_epsilon is not None and (self.load.alone() or self.gossip is not None)
         placed = placing and packed is None and not self.index.holders(key)
-        inside, over = self._bound(context, order, placed)
+        # Where this instance last sent the context, while it carries all the traffic:
+        # with other instances about, its own memory would make it disagree with them.
+        last = self.recent.get(context) if self.load.alone() else None
+        inside, over = self._bound(context, order, placed, last)
         info = analyse(request, self.settings)
-        if placed and len(inside) > 1:
+        again = next((i for i, r in enumerate(inside) if r.name == last), None)
+        if again is not None:
+            inside = _to_front(inside, again)  # its answer may not be back: the index can't know
+        elif placed and len(inside) > 1:
             inside = self._place(key, info, inside)
         elif len(inside) > 1:
             # A context served before (one twin of an organisation) follows where it
@@ -222,6 +240,7 @@ class PrefixAffinity:
             # and out of that state, and a backlog missing those requests misplaces
             # the next new key (twin workload: hit .627 -> .616, p95 7.4 -> 9.1 s).
             self.backlog.add(ranked[0].name, self._uncached_tokens(info, ranked[0].name))
+            self.recent.put(context, ranked[0].name)
             if placed:
                 self.young.put(key, ranked[0].name)
                 if self.gossip is not None:
@@ -250,7 +269,7 @@ class PrefixAffinity:
         return max(0, len(info.rendered.data) - held) / CHARS_PER_TOKEN
 
     def _bound(self, context: int, order: list[ReplicaView],
-               placed: bool) -> tuple[list[ReplicaView], list[ReplicaView]]:
+               placed: bool, last: str | None = None) -> tuple[list[ReplicaView], list[ReplicaView]]:
         """(replicas that may take the request, in ``order``; the rest, least loaded now first).
 
         An overloaded replica sheds a hash-chosen fraction of request *contexts*:
@@ -259,13 +278,24 @@ class PrefixAffinity:
         """
         weights = [r.weight for r in order]
         now = [load_of(r) for r in order]
-        shed = shed_fractions([self.load.get(r) for r in order], weights, self.settings.epsilon, _STEADY_FLOOR)
+        averaged = [self.load.get(r) for r in order]
+        shed = shed_fractions(averaged, weights, self.settings.epsilon, _STEADY_FLOOR)
         eps, floor = self.settings.burst_epsilon, _BURST_FLOOR
         new_eps = self.settings.new_key_epsilon
         if placed and new_eps is not None and new_eps < eps:
             eps, floor = new_eps, _NEW_KEY_FLOOR
         burst = within_bound(now, weights, eps, floor)
         fits = [b and not sheds(context, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]
+        stay = next((i for i, r in enumerate(order) if r.name == last), None)
+        if stay is not None:
+            # Hysteresis: a context leaves the replica it went to last only when that
+            # replica is further past the bounds than a newcomer may be. Otherwise load
+            # wobbling around the bound moves twins back and forth, each move paying
+            # their whole prefix (one instance, 1,200 twin requests: hit .622 -> .640 with
+            # the follow above; Mooncake .252 -> .254; shared prefix .905 -> .910).
+            steady = shed_fractions(averaged, weights, _STAY_STEADY * self.settings.epsilon, _STEADY_FLOOR)
+            now_ok = within_bound(now, weights, _STAY_BURST * self.settings.burst_epsilon, _BURST_FLOOR)
+            fits[stay] = now_ok[stay] and not sheds(context, order[stay].name, steady[stay], self._salts)
         inside = [r for r, ok in zip(order, fits) if ok]
         over = sorted((i for i, ok in enumerate(fits) if not ok), key=lambda i: (now[i], i))
         return inside, [order[i] for i in over]

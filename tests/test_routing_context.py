@@ -68,3 +68,29 @@ def test_a_conversations_later_turns_follow_its_first() -> None:
     assert policy.prefer(conversation(9, 5, ORG), replicas)[0].name == served
     assert policy.prefer(conversation(2, 2, ORG), replicas)[0].name == home
     assert policy.prefer(conversation(10, 1, ORG), replicas)[0].name == home
+
+
+def test_a_twin_keeps_its_replica_while_that_replica_is_only_slightly_over() -> None:
+    # One instance carrying all the traffic (its in-flight is what the replicas report).
+    clock = Clock()
+    policy = PrefixAffinity(RoutingSettings(), clock)
+    replicas = [View(f"r{i}", running=8.0, waiting=0.0, in_flight=8) for i in range(8)]
+    policy.observe(twin(0, 0), RouteFeedback(policy.prefer(twin(0, 0), replicas)[0].name, None, None, True))
+    home = policy.prefer(twin(0, 1), replicas)[0].name
+    keyer = PrefixKeyer(RoutingSettings())
+    # Twins whose context the home sheds first (30% of twins, when it sheds any).
+    first_shed = [t for t in range(1, 200) if sheds(keyer.key_for(twin(t, 0), 8).context, home, 0.3)]
+    sent, fresh = first_shed[0], first_shed[1:20]
+    assert policy.prefer(twin(sent, 1), replicas)[0].name == home  # sent home while balanced
+    # The home's load settles about 31% over the mean: past (1 + epsilon), within (1 + 2 epsilon).
+    view = next(r for r in replicas if r.name == home)
+    view.running, view.in_flight = 11.0, 11
+    clock.t += 600.0
+    policy.prefer(twin(0, 2), replicas)  # the averaged load takes in the new figures
+    assert all(policy.prefer(twin(t, 1), replicas)[0].name != home for t in fresh)  # newcomers go elsewhere
+    assert policy.prefer(twin(sent, 2), replicas)[0].name == home  # the twin sent there stays
+    # Far over (1 + 2 epsilon), it moves too.
+    view.running, view.in_flight = 16.0, 16
+    clock.t += 600.0
+    policy.prefer(twin(0, 3), replicas)
+    assert policy.prefer(twin(sent, 3), replicas)[0].name != home
