@@ -73,6 +73,11 @@ class SharedLoad:
             return
         own = float(sum(mine for mine, _ in queues))
         fleet = sum(q for _, q in queues)
+        if self._last is None and fleet <= 0:
+            # An idle fleet says nothing of who sends it traffic: averaging from its
+            # zeros would keep a lone instance from seeing that it is alone for
+            # tens of seconds (the first 30 s of every start-up).
+            return
         if self._last is None:
             self._own, self._fleet = own, fleet
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.backlog import Backlog, LastSent
+from routing.load import SharedLoad
 from routing.prefix_affinity import PrefixAffinity
 
 from bench.routing_sim import SimView as View
@@ -85,3 +86,39 @@ def test_a_new_conversations_requests_stay_together_before_its_first_answer() ->
         r.in_flight = 1
     policy.observe(one_off(7, 20_000), RouteFeedback(first.name, None, None, True))
     assert policy.prefer(one_off(7, 20_000), replicas)[0] is first
+
+
+def sibling(i: int) -> RouteRequest:
+    """One of several agents under a shared organisation prompt: same key, its own context."""
+    system = "Organisation handbook: answer politely, cite policy numbers. " * 40 + f"You are agent {i}."
+    return RouteRequest("chat", "m", "t", {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": f"question for agent {i}"}]})
+
+
+def test_a_new_keys_next_requests_follow_it_past_the_tight_new_key_bound() -> None:
+    clock = Clock()
+    policy, replicas = PrefixAffinity(RoutingSettings(prefill_tokens_per_s=1000.0), clock), alone_fleet()
+    policy.prefer(one_off(-1, 400), replicas)
+    clock.t = 100.0
+    first = send(policy, sibling(1), replicas)  # a new organisation: placed by backlog
+    first.in_flight += 2  # now past the tight bound for new keys (1.25 x mean, floor 1) ...
+    # ... but its siblings, before any answer is back, still follow it: the usual bound holds.
+    assert send(policy, sibling(2), replicas) is first
+    first.in_flight += 4  # swamped: past twice the mean
+    assert send(policy, sibling(3), replicas) is not first
+
+
+def test_an_instance_starting_on_an_idle_fleet_sees_at_once_that_it_is_alone() -> None:
+    clock = Clock()
+    load = SharedLoad(30.0, clock)
+    load.update([View(f"r{i}", running=0.0, waiting=0.0) for i in range(4)])  # nothing running yet
+    clock.t += 1.0
+    # Its own requests are all the replicas report: averaging from the idle zeros
+    # would take tens of seconds to say so.
+    load.update([View(f"r{i}", in_flight=2, running=2.0, waiting=0.0) for i in range(4)])
+    assert load.alone()
+    clock.t += 1.0
+    load.update([View(f"r{i}", in_flight=2, running=2.0, waiting=10.0) for i in range(4)])
+    clock.t += 120.0
+    load.update([View(f"r{i}", in_flight=2, running=2.0, waiting=10.0) for i in range(4)])
+    assert not load.alone()  # others' requests wait there too
