@@ -275,6 +275,9 @@ class PrefixAffinity:
         An overloaded replica sheds a hash-chosen fraction of request *contexts*:
         every instance sheds the same ones, and a heavy key (an organisation)
         overflows a few twins at a time, each always to the same next replica.
+        ``last`` (where this instance last sent the context) is held to looser
+        bounds; ``young`` (where a new key's first requests went) to the usual
+        burst bound rather than the new-key one.
         """
         weights = [r.weight for r in order]
         now = [load_of(r) for r in order]
