@@ -70,8 +70,8 @@ class RouteKey:
     cut: int  # bytes of prefix the key covers
     wide: int  # how many shallower cuts were wide (0: the first cut keys the request)
     # The request's whole stable context: the prefix up to the end of its
-    # next-to-last message (within the cap) when that is deeper than the key,
-    # else the key. One digital twin below its organisation's key; a
+    # next-to-last message (within the cap) when that is at least as deep as
+    # the key, else the key. One digital twin below its organisation's key; a
     # conversation's first turn (its key already). What one client keeps
     # sending, so bounded load sheds, and the index follows, by it.
     context: int

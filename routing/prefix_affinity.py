@@ -83,6 +83,11 @@ _STAY_BURST = 1.5
 PACK_FACTOR = 0.5
 
 
+def _find(items: Sequence[ReplicaView], name: str | None) -> int | None:
+    """Position of the replica called ``name`` in ``items`` (None: not there)."""
+    return next((i for i, r in enumerate(items) if r.name == name), None)
+
+
 def _to_front(items: list[ReplicaView], i: int) -> list[ReplicaView]:
     """``items`` with the ``i``-th first; the rest keep their order."""
     return items if i == 0 else [items[i], *items[:i], *items[i + 1:]]
@@ -205,7 +210,7 @@ class PrefixAffinity:
             self.placement.record(key, len(replicas))
         packed = self.placement.home(key, replicas, self._salts, refresh=learn)
         if packed:
-            order = _to_front(order, next((i for i, r in enumerate(order) if r.name == packed), 0))
+            order = _to_front(order, _find(order, packed) or 0)
         if learn:
             self.load.update(replicas)
             self.decisions += 1
@@ -222,7 +227,7 @@ class PrefixAffinity:
         last = self.recent.get(context) if self.load.alone() else None
         inside, over = self._bound(context, order, placed, last, self.young.get(key) if placed else None)
         info = analyse(request, self.settings)
-        again = next((i for i, r in enumerate(inside) if r.name == last), None)
+        again = _find(inside, last)
         if again is not None:
             inside = _to_front(inside, again)  # its answer may not be back: the index can't know
         elif placed and len(inside) > 1:
@@ -256,7 +261,7 @@ class PrefixAffinity:
         first (``routing.backlog``); ties keep the rendezvous order.
         """
         home = self.young.get(key)
-        at = next((i for i, r in enumerate(inside) if r.name == home), None)
+        at = _find(inside, home)
         if at is None:
             queues = [self.backlog.get(r.name) for r in inside]
             at = min(range(len(inside)), key=queues.__getitem__)  # the first of equals
@@ -289,24 +294,27 @@ class PrefixAffinity:
             eps, floor = new_eps, _NEW_KEY_FLOOR
         burst = within_bound(now, weights, eps, floor)
         fits = [b and not sheds(context, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]
-        went = next((i for i, r in enumerate(order) if r.name == young), None)
+        # Replicas held to other bounds than a newcomer's: index -> (shed fractions, burst epsilon).
+        held: dict[int, tuple[list[float], float]] = {}
+        went = _find(order, young)
         if went is not None and eps != self.settings.burst_epsilon:
             # The tight bound chooses where a new key goes. Once its first requests went
             # somewhere (answers not back yet), the next ones follow them there unless
             # that replica is swamped: placing each anew spreads one organisation over
             # the fleet while it starts (twins, mean of 8 seeds: hit .663 -> .665).
-            usual = within_bound(now, weights, self.settings.burst_epsilon, _BURST_FLOOR)
-            fits[went] = usual[went] and not sheds(context, order[went].name, shed[went], self._salts)
-        stay = next((i for i, r in enumerate(order) if r.name == last), None)
+            held[went] = (shed, self.settings.burst_epsilon)
+        stay = _find(order, last)
         if stay is not None:
             # Hysteresis: a context leaves the replica it went to last only when that
             # replica is further past the bounds than a newcomer may be. Otherwise load
             # wobbling around the bound moves twins back and forth, each move paying
             # their whole prefix (one instance, 1,200 twin requests: hit .622 -> .640 with
             # the follow above; Mooncake .252 -> .254; shared prefix .905 -> .910).
-            steady = shed_fractions(averaged, weights, _STAY_STEADY * self.settings.epsilon, _STEADY_FLOOR)
-            now_ok = within_bound(now, weights, _STAY_BURST * self.settings.burst_epsilon, _BURST_FLOOR)
-            fits[stay] = now_ok[stay] and not sheds(context, order[stay].name, steady[stay], self._salts)
+            held[stay] = (shed_fractions(averaged, weights, _STAY_STEADY * self.settings.epsilon, _STEADY_FLOOR),
+                          _STAY_BURST * self.settings.burst_epsilon)
+        for i, (fractions, burst_eps) in held.items():
+            ok_now = within_bound(now, weights, burst_eps, _BURST_FLOOR)[i]
+            fits[i] = ok_now and not sheds(context, order[i].name, fractions[i], self._salts)
         inside = [r for r, ok in zip(order, fits) if ok]
         over = sorted((i for i, ok in enumerate(fits) if not ok), key=lambda i: (now[i], i))
         return inside, [order[i] for i in over]
