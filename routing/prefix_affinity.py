@@ -17,8 +17,9 @@ Three layers, each with one job:
    same on every gateway instance, so they move a key off an overloaded
    replica together; the instantaneous check only stops a pile-up.
    A key no replica holds yet, while this instance carries all the traffic
-   (``SharedLoad.alone``), is instead placed where its prefill starts soonest
-   (``routing.backlog``), within a tighter ``new_key_epsilon``; its next
+   (``SharedLoad.alone``), is instead placed where the least prompt work is
+   queued or was placed lately (``routing.backlog``), within a tighter
+   ``new_key_epsilon``; its next
    requests follow it there before the index learns of it. With
    ``share_index``, instances tell each other where they placed new keys and
    which replicas hold which keys (``routing.gossip``, through Redis), so
@@ -50,7 +51,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from .backlog import CHARS_PER_TOKEN, Backlog, LastSent
+from .backlog import CHARS_PER_TOKEN, Backlog, Committed, LastSent
 from .base import ReplicaView, RouteFeedback, RouteRequest, load_of
 from .block_index import BlockIndex
 from .gossip import HELD, PLACED, Fact, Gossip
@@ -134,6 +135,7 @@ class PrefixAffinity:
         self.young = LastSent()
         self.recent = LastSent(_MAX_CONTEXTS)
         self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
+        self.committed = Committed(self.settings.placement_memory_s, clock)
         # Facts for other instances, when they share what they learn (routing.gossip).
         self.gossip = Gossip() if self.settings.share_index else None
         self._salts: dict[str, int] = {}
@@ -244,26 +246,34 @@ class PrefixAffinity:
             # Tracked on every decision, not only while alone: the instance drifts in
             # and out of that state, and a backlog missing those requests misplaces
             # the next new key (twin workload: hit .627 -> .616, p95 7.4 -> 9.1 s).
-            self.backlog.add(ranked[0].name, self._uncached_tokens(info, ranked[0].name))
+            work = self._uncached_tokens(info, ranked[0].name)
+            self.backlog.add(ranked[0].name, work)
             self.recent.put(context, ranked[0].name)
             if placed:
+                if self.young.get(key) != ranked[0].name:  # placed, not following its siblings
+                    self.committed.add(ranked[0].name, work)
                 self.young.put(key, ranked[0].name)
                 if self.gossip is not None:
                     self.gossip.note(PLACED, key, ranked[0].name)
         return ranked
 
     def _place(self, key: int, info: PrefixInfo, inside: list[ReplicaView]) -> list[ReplicaView]:
-        """A new key's order: where its earlier requests went, else the shortest prefill queue.
+        """A new key's order: where its earlier requests went, else the least work coming.
 
         A new conversation often sends several requests before the first answer
         comes back (and teaches the index): they go together. Otherwise the
-        replica whose queue of prompt work from this instance is shortest goes
-        first (``routing.backlog``); ties keep the rendezvous order.
+        replica with the least prompt work from this instance goes first: still
+        queued, plus what the new keys placed there lately will bring
+        (``routing.backlog``); ties keep the rendezvous order.
         """
         home = self.young.get(key)
         at = _find(inside, home)
         if at is None:
-            queues = [self.backlog.get(r.name) for r in inside]
+            # The work placed lately counts only while this instance places all of it:
+            # sharing facts, each instance would spread a quarter of the new keys
+            # evenly, not the fleet's (4 instances, Mooncake: hit .257 -> .246).
+            lately = self.committed.get if self.load.alone() else (lambda name: 0.0)
+            queues = [self.backlog.get(r.name) + lately(r.name) for r in inside]
             at = min(range(len(inside)), key=queues.__getitem__)  # the first of equals
         return _to_front(inside, at)
 

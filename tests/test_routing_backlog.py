@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import math
+
 from routing import RouteFeedback, RouteRequest, RoutingSettings
-from routing.backlog import Backlog, LastSent
+from routing.backlog import Backlog, Committed, LastSent
 from routing.load import SharedLoad
 from routing.prefix_affinity import PrefixAffinity
 
@@ -40,6 +43,18 @@ def test_the_backlog_drains_at_the_prefill_rate() -> None:
     assert backlog.get("a") == 100
     clock.t = 9.0
     assert backlog.get("a") == 0
+
+
+def test_committed_work_fades_with_its_time_constant() -> None:
+    clock = Clock()
+    committed = Committed(10.0, clock)
+    committed.add("a", 1000)
+    assert committed.get("a") == 1000 and committed.get("b") == 0
+    clock.t = 10.0
+    assert abs(committed.get("a") - 1000 / math.e) < 1e-6
+    committed.add("a", 100)
+    clock.t = 20.0
+    assert abs(committed.get("a") - (1000 / math.e + 100) / math.e) < 1e-6
 
 
 def test_young_keys_remember_the_newest_placements_only() -> None:
@@ -122,3 +137,25 @@ def test_an_instance_starting_on_an_idle_fleet_sees_at_once_that_it_is_alone() -
     clock.t += 120.0
     load.update([View(f"r{i}", in_flight=2, running=2.0, waiting=10.0) for i in range(4)])
     assert not load.alone()  # others' requests wait there too
+
+
+def placements(memory_s: float) -> collections.Counter[str]:
+    """Where 64 new keys go, each arriving after the previous one's prefill is done."""
+    clock = Clock()
+    settings = RoutingSettings(prefill_tokens_per_s=100_000.0, placement_memory_s=memory_s)
+    policy, replicas = PrefixAffinity(settings, clock), alone_fleet()
+    policy.prefer(one_off(-1, 400), replicas)
+    counts: collections.Counter[str] = collections.Counter()
+    for i in range(64):
+        clock.t = 100.0 + i  # every queue drained since the last placement
+        counts[policy.prefer(one_off(i, 8000), replicas)[0].name] += 1
+    return counts
+
+
+def test_new_keys_spread_by_the_work_placed_lately_not_only_by_queues() -> None:
+    # Each new key brings more requests (a group's next prompts). With drained
+    # queues only, the rendezvous order places them, unevenly; remembering what
+    # went where in the last half-minute spreads them as evenly as they come.
+    remembered, forgotten = placements(30.0), placements(1e-3)
+    assert len(remembered) == 8 and max(remembered.values()) - min(remembered.values()) <= 1
+    assert max(forgotten.values()) - min(forgotten.values()) >= 3
