@@ -39,32 +39,49 @@ _MAX_REPLICAS = 4096
 _MAX_KEYS = 4096
 
 
-class Backlog:
-    __slots__ = ("_rate", "_clock", "_queue", "_at")
+class _Fading:
+    """Prompt tokens per replica that fade with time; a subclass says how."""
 
-    def __init__(self, tokens_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._rate = tokens_per_s
+    __slots__ = ("_clock", "_tokens", "_at")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._queue: dict[str, float] = {}
+        self._tokens: dict[str, float] = {}
         self._at: dict[str, float] = {}
 
+    def _fade(self, tokens: float, dt: float) -> float:
+        raise NotImplementedError
+
     def get(self, name: str) -> float:
-        """Tokens still queued for prefill on ``name`` (0 when drained or unknown)."""
-        left = self._queue.get(name)
+        """Tokens left on ``name`` now (0 when faded or unknown)."""
+        left = self._tokens.get(name)
         if left is None:
             return 0.0
-        return max(0.0, left - (self._clock() - self._at[name]) * self._rate)
+        return self._fade(left, self._clock() - self._at[name])
 
     def add(self, name: str, tokens: float) -> None:
-        if len(self._queue) >= _MAX_REPLICAS and name not in self._queue:
-            # Replica names churned (DNS pods): drained queues carry no information.
-            self._queue = {n: q for n, q in self._queue.items() if self.get(n) > 0}
-            self._at = {n: self._at[n] for n in self._queue}
-        self._queue[name] = self.get(name) + max(0.0, tokens)
+        if len(self._tokens) >= _MAX_REPLICAS and name not in self._tokens:
+            # Replica names churned (DNS pods): keep only what still weighs.
+            self._tokens = {n: t for n, t in self._tokens.items() if self.get(n) >= 1.0}
+            self._at = {n: self._at[n] for n in self._tokens}
+        self._tokens[name] = self.get(name) + max(0.0, tokens)
         self._at[name] = self._clock()
 
 
-class Committed:
+class Backlog(_Fading):
+    """Prompt tokens still queued for prefill per replica, drained at ``tokens_per_s``."""
+
+    __slots__ = ("_rate",)
+
+    def __init__(self, tokens_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
+        self._rate = tokens_per_s
+
+    def _fade(self, tokens: float, dt: float) -> float:
+        return max(0.0, tokens - dt * self._rate)
+
+
+class Committed(_Fading):
     """Prompt tokens of the new keys placed on each replica, decaying with time constant ``tau_s``.
 
     The backlog forgets a placement once its prefill is done, a fraction of a
@@ -74,27 +91,14 @@ class Committed:
     1.25x the mean load for the whole run (placing by queue plus this: 1.01).
     """
 
-    __slots__ = ("_tau", "_clock", "_tokens", "_at")
+    __slots__ = ("_tau",)
 
     def __init__(self, tau_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
         self._tau = tau_s
-        self._clock = clock
-        self._tokens: dict[str, float] = {}
-        self._at: dict[str, float] = {}
 
-    def get(self, name: str) -> float:
-        left = self._tokens.get(name)
-        if left is None:
-            return 0.0
-        return left * math.exp(-(self._clock() - self._at[name]) / self._tau)
-
-    def add(self, name: str, tokens: float) -> None:
-        if len(self._tokens) >= _MAX_REPLICAS and name not in self._tokens:
-            # Replica names churned (DNS pods): keep only what still weighs.
-            self._tokens = {n: t for n, t in self._tokens.items() if self.get(n) >= 1.0}
-            self._at = {n: self._at[n] for n in self._tokens}
-        self._tokens[name] = self.get(name) + max(0.0, tokens)
-        self._at[name] = self._clock()
+    def _fade(self, tokens: float, dt: float) -> float:
+        return tokens * math.exp(-dt / self._tau)
 
 
 class LastSent:
