@@ -94,3 +94,29 @@ def test_a_twin_keeps_its_replica_while_that_replica_is_only_slightly_over() -> 
     clock.t += 600.0
     policy.prefer(twin(0, 3), replicas)
     assert policy.prefer(twin(sent, 3), replicas)[0].name != home
+
+
+def test_a_replica_a_little_past_the_stay_bound_sheds_few_of_its_twins() -> None:
+    # Each twin moved pays its whole prefix again elsewhere, so a replica a little
+    # past the looser bound for stayers sheds a few of them, not most.
+    clock = Clock()
+    policy = PrefixAffinity(RoutingSettings(), clock)
+    replicas = [View(f"r{i}", running=8.0, waiting=0.0, in_flight=8) for i in range(8)]
+    policy.observe(twin(0, 0), RouteFeedback(policy.prefer(twin(0, 0), replicas)[0].name, None, None, True))
+    home = policy.prefer(twin(0, 1), replicas)[0].name
+    # Twins sent home while balanced (once the organisation's prefix is seen in
+    # every request it is wide, and later twins key deeper and spread).
+    stayers = [t for t in range(1, 41) if policy.prefer(twin(t, 1), replicas)[0].name == home]
+    assert len(stayers) >= 12
+    view = next(r for r in replicas if r.name == home)
+
+    def moved(load: int, ask: int) -> int:
+        view.running, view.in_flight = float(load), load
+        clock.t += 600.0
+        policy.prefer(twin(0, ask), replicas)  # the averaged load takes in the new figures
+        return sum(policy.prefer(twin(t, ask), replicas)[0].name != home for t in stayers)
+
+    # 14 against 8 elsewhere: 1.6x the mean, a little past 1.5x (1 + 2 epsilon).
+    # Shedding stayers as hard as newcomers (gain 10) moved half of them.
+    assert moved(14, 2) <= len(stayers) // 4
+    assert moved(40, 3) >= 0.9 * len(stayers)  # far past it, nearly all go
