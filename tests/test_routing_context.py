@@ -70,13 +70,18 @@ def test_a_conversations_later_turns_follow_its_first() -> None:
     assert policy.prefer(conversation(10, 1, ORG), replicas)[0].name == home
 
 
-def test_a_twin_keeps_its_replica_while_that_replica_is_only_slightly_over() -> None:
-    # One instance carrying all the traffic (its in-flight is what the replicas report).
-    clock = Clock()
+def organisation_home(clock: Clock) -> tuple[PrefixAffinity, list[View], str]:
+    """One instance carrying all the traffic (its in-flight is what the replicas report),
+    and the replica its twins' organisation lives on."""
     policy = PrefixAffinity(RoutingSettings(), clock)
     replicas = [View(f"r{i}", running=8.0, waiting=0.0, in_flight=8) for i in range(8)]
     policy.observe(twin(0, 0), RouteFeedback(policy.prefer(twin(0, 0), replicas)[0].name, None, None, True))
-    home = policy.prefer(twin(0, 1), replicas)[0].name
+    return policy, replicas, policy.prefer(twin(0, 1), replicas)[0].name
+
+
+def test_a_twin_keeps_its_replica_while_that_replica_is_only_slightly_over() -> None:
+    clock = Clock()
+    policy, replicas, home = organisation_home(clock)
     keyer = PrefixKeyer(RoutingSettings())
     # Twins whose context the home sheds first (30% of twins, when it sheds any).
     first_shed = [t for t in range(1, 200) if sheds(keyer.key_for(twin(t, 0), 8).context, home, 0.3)]
@@ -100,10 +105,7 @@ def test_a_replica_a_little_past_the_stay_bound_sheds_few_of_its_twins() -> None
     # Each twin moved pays its whole prefix again elsewhere, so a replica a little
     # past the looser bound for stayers sheds a few of them, not most.
     clock = Clock()
-    policy = PrefixAffinity(RoutingSettings(), clock)
-    replicas = [View(f"r{i}", running=8.0, waiting=0.0, in_flight=8) for i in range(8)]
-    policy.observe(twin(0, 0), RouteFeedback(policy.prefer(twin(0, 0), replicas)[0].name, None, None, True))
-    home = policy.prefer(twin(0, 1), replicas)[0].name
+    policy, replicas, home = organisation_home(clock)
     # Twins sent home while balanced (once the organisation's prefix is seen in
     # every request it is wide, and later twins key deeper and spread).
     stayers = [t for t in range(1, 41) if policy.prefer(twin(t, 1), replicas)[0].name == home]
