@@ -276,8 +276,8 @@ class PrefixAffinity:
             # The work placed lately counts only while this instance places all of it:
             # sharing facts, each instance would spread a quarter of the new keys
             # evenly, not the fleet's (4 instances, Mooncake: hit .257 -> .246).
-            lately = self.committed.get if self.load.alone() else (lambda name: 0.0)
-            queues = [self.backlog.get(r.name) + lately(r.name) for r in inside]
+            lately = self.load.alone()
+            queues = [self.backlog.get(r.name) + (self.committed.get(r.name) if lately else 0.0) for r in inside]
             at = min(range(len(inside)), key=queues.__getitem__)  # the first of equals
         return _to_front(inside, at)
 

@@ -43,8 +43,8 @@ class RoutingSettings(_Section):
     prefill_tokens_per_s: float = Field(15_000.0, gt=0)
     # New keys are spread by the work placed on each replica lately too, not only
     # by what is still queued: a new key brings its next turns. That memory fades
-    # with this time constant (routing.backlog.Committed). Twin layout, 8 seeds:
-    # TTFT p95 6.03 -> 5.88 s (mean of 8 seeds); shared prefix max/mean load 1.25 -> 1.01.
+    # with this time constant (routing.backlog.Committed). Twin layout, mean of 8
+    # seeds: TTFT p95 6.03 -> 5.88 s; shared prefix max/mean load 1.25 -> 1.01.
     placement_memory_s: float = Field(30.0, gt=0)
     # Characters per routing block (about 16 tokens of 4 characters, as llm-d does).
     block_chars: int = Field(64, ge=8, le=4096)
