@@ -14,14 +14,16 @@ import hmac
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from .admin_bodies import Body as _Body
 from .admin_openapi import openapi_document
+from .admin_tenants import tenant_routes
 from .errors import BadRequest, Forbidden, GatewayError, NotFound, Unauthorized, error_payload
 from .pool import snapshot
 from .runtime import Runtime
@@ -29,10 +31,6 @@ from .settings import ReplicaSettings
 
 STATIC = Path(__file__).parent / "static"
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class ReplicaIn(_Body):
@@ -181,8 +179,6 @@ def _replica_row(rt: Runtime, name: str) -> dict[str, Any]:
 
 
 def _tenant_routes(rt: Runtime, g: Callable[[Handler], Handler]) -> list[Route]:
-    from .admin_tenants import tenant_routes
-
     return tenant_routes(rt, g, _json)
 
 

@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from policies import AdminError
 
+from .admin_bodies import Body as _Body
 from .errors import GatewayError
 from .runtime import Runtime
 
@@ -29,8 +30,6 @@ def _admin_error(err: AdminError) -> GatewayError:
 
 
 def tenant_routes(rt: Runtime, g: Callable[[Handler], Handler], read_json: Any) -> list[Route]:
-    from .admin import _Body
-
     class TenantIn(_Body):
         name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
         namespace: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")

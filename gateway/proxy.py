@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from routing import RouteFeedback, RouteRequest
 
+from .context import RequestContext
 from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_body, request_id, \
     run_unless_disconnected
 from . import stages
@@ -29,30 +29,11 @@ from .upstream import UpstreamCall, open_upstream, read_error_body
 from .validate import parse_json, validate
 
 if TYPE_CHECKING:
-    from policies import Tenant
-
     from .runtime import Runtime
 
 log = logging.getLogger("kvgate.access")
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
-
-
-@dataclass(slots=True)
-class RequestContext:
-    """Everything known about one request; built once, read by every stage."""
-
-    request_id: str
-    endpoint: str
-    headers: dict[str, str]
-    body: dict[str, Any]
-    model: str
-    tenant: "Tenant"
-    stream: bool
-    include_usage: bool  # what the client asked for
-    started: float
-    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    cache_req: Any = None  # set when the answer may be stored in the semantic cache
 
 
 class ProxyEndpoint:

@@ -19,7 +19,7 @@ from .relay import SSE_HEADERS, Outcome
 if TYPE_CHECKING:
     from policies import Tenant
 
-    from .proxy import RequestContext
+    from .context import RequestContext
     from .runtime import Runtime
 
 log = logging.getLogger("kvgate.stages")

@@ -1,0 +1,30 @@
+"""One request as every stage sees it: built once by the proxy, read by the stages.
+
+Its own module so that the proxy and the stages it calls both depend on it and
+not on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from policies import Tenant
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Everything known about one request; built once, read by every stage."""
+
+    request_id: str
+    endpoint: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    model: str
+    tenant: "Tenant"
+    stream: bool
+    include_usage: bool  # what the client asked for
+    started: float
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    cache_req: Any = None  # set when the answer may be stored in the semantic cache
