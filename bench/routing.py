@@ -34,6 +34,7 @@ from pathlib import Path
 
 from routing import RoutingSettings
 from routing.consistent_hash import ConsistentHash
+from routing.cost_model import CostModel
 from routing.keys import PrefixKeyer
 from routing.least_load import LeastLoad
 from routing.membership import key_movement
@@ -57,6 +58,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "llm-d": lambda clock: LLMDScorers(),
     "kubeai_chwbl": lambda clock: KubeAICHWBL(),
     "prefix_affinity": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
+    "cost": lambda clock: CostModel(PA_SETTINGS, clock),
 }
 # ``--set hot_fraction=0.5``: kvgate's own settings under test, for tuning runs.
 PA_SETTINGS = RoutingSettings()
@@ -64,7 +66,7 @@ PA_SETTINGS = RoutingSettings()
 # about this much later (a loopback round trip and the publisher's batching).
 SHARE_DELAY_S = 0.05
 # Policies also run as several independent gateway instances (no shared state).
-MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity")
+MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity", "cost")
 
 
 def build_workloads(args: argparse.Namespace) -> list[Workload]:

@@ -52,7 +52,7 @@ class PurgeIn(_Body):
 
 
 class RoutingIn(_Body):
-    policy: str | None = Field(None, pattern=r"^(prefix_affinity|least_load|round_robin|consistent_hash)$")
+    policy: str | None = Field(None, pattern=r"^(prefix_affinity|least_load|round_robin|consistent_hash|cost)$")
     epsilon: float | None = Field(None, ge=0, le=10)
 
 

@@ -56,8 +56,8 @@ _SCHEMAS: dict[str, Any] = {
         "model": {"type": "string", "maxLength": 256, "nullable": True},
         "older_than_s": {"type": "number", "minimum": 0, "nullable": True}}},
     "RoutingIn": {"type": "object", "additionalProperties": False, "properties": {
-        "policy": {"type": "string", "enum": ["prefix_affinity", "least_load", "round_robin", "consistent_hash"],
-                   "nullable": True},
+        "policy": {"type": "string", "nullable": True,
+                   "enum": ["prefix_affinity", "least_load", "round_robin", "consistent_hash", "cost"]},
         "epsilon": {"type": "number", "minimum": 0, "maximum": 10, "nullable": True}}},
     "TenantIn": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
         "name": _NAME, "namespace": {**_NAME, "nullable": True},

@@ -24,6 +24,7 @@ from __future__ import annotations
 from .base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy, load_now, load_of
 from .boundary import strip_cache_control
 from .consistent_hash import ConsistentHash
+from .cost_model import CostModel
 from .least_load import LeastLoad
 from .membership import resolve
 from .prefix_affinity import PrefixAffinity
@@ -44,4 +45,6 @@ def make_policy(settings: RoutingSettings) -> RoutingPolicy:
         return RoundRobin()
     if settings.policy == "consistent_hash":
         return ConsistentHash(settings)
+    if settings.policy == "cost":
+        return CostModel(settings)
     return PrefixAffinity(settings)

@@ -9,15 +9,21 @@ clearly deeper one), so the request should follow it there.
 
 Cost and memory are bounded by design:
 
-* Only sampled block positions are indexed: every block of the first 16,
-  then eight positions per doubling of depth (16, 18, ..., 32, 36, ...). A
-  prompt of 2,000 blocks (128K characters) costs about 70 entries, and a match
-  depth is known to within 1/8 of itself, plenty for "clearly deeper".
+* Only sampled block positions are indexed, plus (with ``tails``) every block
+  of a prompt's tail past its last sampled one: every block of the first 16, then eight
+  positions per doubling of depth (16, 18, ..., 32, 36, ...). A prompt of 2,000
+  blocks (128K characters) costs at most about 200 entries. A match is exact for
+  a prompt that extends a recorded one (a conversation's next turn finds its
+  last turn's whole prompt: the cost model charges every block it does not know
+  of) and known to within 1/8 of its depth otherwise.
 * Entries map a chained block hash (or a routing key, which is the hash of
   the exact prefix it names) to a bitmask of replica ids and live in one LRU
   of ``capacity`` entries; hashes that stop being used age out.
 * A lookup is a binary search over the sampled positions (a prefix held by a
-  replica is held all the way down, so presence is monotone along a chain).
+  replica is held all the way down, so presence is monotone along a chain),
+  then one over the blocks up to the next sampled position: only recorded
+  tails are there, each recorded from that sampled block on, so presence is
+  monotone there too.
 """
 
 from __future__ import annotations
@@ -40,14 +46,16 @@ def sampled_positions(max_blocks: int) -> tuple[int, ...]:
 
 
 class BlockIndex:
-    __slots__ = ("_entries", "_capacity", "_positions")
+    __slots__ = ("_entries", "_capacity", "_positions", "_tails")
 
-    def __init__(self, capacity: int, max_blocks: int) -> None:
+    def __init__(self, capacity: int, max_blocks: int, tails: bool = False) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self._entries: OrderedDict[int, int] = OrderedDict()
         self._capacity = capacity
         self._positions = sampled_positions(max_blocks)
+        # Record each prompt's tail too (exact depths for the cost model).
+        self._tails = tails
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -62,8 +70,12 @@ class BlockIndex:
         """Record that replica ``bit`` holds every block of ``hashes``."""
         flag = 1 << bit
         entries = self._entries
-        for j in range(self._upto(len(hashes))):
-            h = hashes[self._positions[j]]
+        upto = self._upto(len(hashes))
+        at = [self._positions[j] for j in range(upto)]
+        if at and self._tails:
+            at.extend(range(at[-1] + 1, len(hashes)))  # the tail: exact depth for the next turn
+        for p in at:
+            h = hashes[p]
             mask = entries.get(h)
             if mask is None:
                 entries[h] = flag
@@ -100,6 +112,18 @@ class BlockIndex:
             mask = entries.get(hashes[positions[mid]], 0) & among
             if mask:
                 best_pos, best_mask = positions[mid], mask
+                lo = mid + 1
+            else:
+                hi = mid
+        if not self._tails:
+            return best_pos + 1, best_mask
+        # Then between it and the next sampled position, where only tails are recorded.
+        lo, hi = best_pos + 1, min(positions[lo] if lo < len(positions) else len(hashes), len(hashes))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mask = entries.get(hashes[mid], 0) & among
+            if mask:
+                best_pos, best_mask = mid, mask
                 lo = mid + 1
             else:
                 hi = mid

@@ -12,7 +12,9 @@ class _Section(BaseModel):
 
 
 class RoutingSettings(_Section):
-    policy: Literal["prefix_affinity", "least_load", "round_robin", "consistent_hash"] = "prefix_affinity"
+    policy: Literal["prefix_affinity", "least_load", "round_robin", "consistent_hash", "cost"] = "prefix_affinity"
+    # "cost": the experimental cost model (routing.cost_model): one cost per replica
+    # and a load bound at every decision; uses epsilon, prefill_tokens_per_s, share_index.
     # Bounded load: skip a replica whose load exceeds (1 + epsilon) x mean. Judged on
     # the replicas' scraped load averaged over load_average_s (the view every gateway
     # instance shares, so they move a key together) ...

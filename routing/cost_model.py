@@ -1,0 +1,233 @@
+"""The cost model: prefix affinity as one cost, one bound and one tie-break (experimental).
+
+The candidate replacement for ``prefix_affinity``'s layers (issue 15), selected with
+``routing.policy: cost`` while it is measured; the README's routing section says
+where it stands.
+
+For every request the policy asks each eligible replica one question: how many
+prompt tokens would this request wait behind there, and add? (NVIDIA Dynamo's
+KV router asks the same.)
+
+    cost(r) = queued(r) + uncached(r)             in prompt tokens
+
+* ``uncached(r)``: the request's prompt minus what ``r`` is believed to hold of
+  it (``routing.block_index``: what this instance sent there, or saw served
+  there, or was told of). Prefill is linear in these tokens, so this is the
+  work the replica must do before the first token.
+* ``queued(r)``: prompt work ahead of it: what this instance sent ``r`` and
+  ``r`` has not prefilled yet (``routing.backlog``), plus the requests ``r``
+  reports waiting for other clients, each weighed as an average request of
+  ours (their prompts are not known here; their traffic is assumed alike).
+
+**The bound** (consistent hashing with bounded loads, Mirrokni, Thorup and
+Zadimoghaddam): a replica takes the request only if its in-flight count stays
+within ``ceil((1 + epsilon) x mean)``, the mean of what is in flight right now
+with this request included: this instance's own in-flight, exact, plus the
+others' as the replica last reported them (``routing.base.load_now``). It is
+checked at every decision, from the first; nothing is averaged. Replicas past it
+go to the back of the order (least loaded first) so that retries still have
+somewhere to go.
+
+**The tie-break and the home.** The request's key (``routing.keys``: the
+shallowest prefix that one replica can own, such as an organisation's policies or
+a conversation's first turn) orders the replicas by rendezvous hashing, the
+same order on every instance. Of equal costs, the replica where the request
+adds less prefill goes first (the fleet does less work for the same wait), then
+that order. And when this
+instance knows of no replica holding the key, it presumes that the key's *home*
+(the first of that order) holds it: every instance sends a key home unless the
+cost says otherwise, so that is where a key this instance has not seen most
+likely lives. That one presumption is what lets instances that share nothing
+agree on where a conversation lives: its first turn goes home from any of them,
+so its later turns, reaching any of them, find it there.
+
+What the cost replaces: a context stays where its prefix is warm because that
+replica's cost is lower by the prefix's prefill (hysteresis with a reason); a
+heavy key spills exactly as far as queues and the bound make it; a new key's
+second request, sent before the first answer, follows the first because the
+index learns at decision time, not only when the answer returns.
+
+``observe`` records that the serving replica now holds the whole prompt. With
+``share_index``, the facts this instance learns are also told to the others
+(``routing.gossip``); they enter the index like its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from .backlog import CHARS_PER_TOKEN, Backlog
+from .base import ReplicaView, RouteFeedback, RouteRequest, load_now, reported
+from .block_index import BlockIndex
+from .gossip import HELD, PLACED, Fact, Gossip
+from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
+from .prefix_affinity import ReplicaBits
+from .rendezvous import rendezvous_order, within_bound
+from .settings import RoutingSettings
+
+__all__ = ["CostModel"]
+
+_MAX_REPLICA_IDS = 4096
+
+
+class CostModel:
+    name = "cost"
+
+    def __init__(self, settings: RoutingSettings | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings or RoutingSettings()
+        self.keyer = PrefixKeyer(self.settings)
+        self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks, tails=True)
+        self.bits = ReplicaBits()
+        self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
+        self.gossip = Gossip() if self.settings.share_index else None
+        self._salts: dict[str, int] = {}
+        # The mean prompt work of this instance's requests: what another client's
+        # waiting request is taken to weigh.
+        self._work_sum = 0.0
+        # Decisions, and how many left the key's home (for metrics and the benchmark).
+        self.decisions = 0
+        self.moved = 0
+
+    # -- RoutingPolicy -----------------------------------------------------------------
+    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        return self._rank(request, replicas, learn=True)
+
+    def peek(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """``prefer`` without learning anything: what this instance would do."""
+        return self._rank(request, replicas, learn=False)
+
+    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        if not feedback.ok:
+            return
+        info = analyse(request, self.settings)
+        if not info.hashes:
+            return
+        route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
+        bit = self._bit(feedback.replica)
+        if self.gossip is not None and not self.index.holders(route.key) >> bit & 1:
+            self.gossip.note(HELD, route.key, feedback.replica)  # news to this instance, so to others
+        self._hold(info, route, bit)
+
+    def learn_remote(self, fact: Fact) -> None:
+        """Apply what another instance learned (``routing.gossip``): the key is held there."""
+        _, key, replica = fact
+        if self.gossip is not None:
+            self.gossip.applied += 1
+        self.index.add_key(key, self._bit(replica))
+
+    def stats(self) -> dict[str, object]:
+        """For ``GET /admin/routing``: what the policy decided on its own."""
+        out: dict[str, object] = {"decisions": self.decisions, "left_home": self.moved,
+                                  "index_entries": len(self.index)}
+        if self.gossip is not None:
+            out["shared_facts"] = {"published": self.gossip.published, "applied": self.gossip.applied,
+                                   "pending": len(self.gossip)}
+        return out
+
+    # -- internals ---------------------------------------------------------------------
+    def _bit(self, replica: str) -> int:
+        if self.bits.full() and self.bits.get(replica) is None:
+            # Replica names churned past the id space (DNS pods coming and going):
+            # start the index afresh rather than grow without bound.
+            self.bits.clear()
+            self.index.clear()
+        return self.bits.bit(replica)
+
+    def _hold(self, info: PrefixInfo, route: RouteKey, bit: int) -> None:
+        """Record that replica ``bit`` holds (or is about to hold) the request's prompt."""
+        self.index.add(info.hashes, bit)
+        self.index.add_key(route.key, bit)
+
+    def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
+        if len(replicas) < 2:
+            return list(replicas)
+        if len(self._salts) > _MAX_REPLICA_IDS:
+            self._salts.clear()
+        info = analyse(request, self.settings)
+        route = self.keyer.key_for(request, len(replicas), learn=learn)
+        order = rendezvous_order(route.key, replicas, self._salts)
+        now = [load_now(r) for r in order]
+        fits = within_bound(now, [r.weight for r in order], self.settings.epsilon)
+        work = self._work(info, route, order)
+        costs = [ahead + uncached for ahead, uncached in work]
+        # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
+        inside = sorted((i for i in range(len(order)) if fits[i]), key=lambda i: (costs[i], work[i][1], i))
+        over = sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
+        picks = inside + over
+        if learn:
+            self._commit(info, route, order[picks[0]], work[picks[0]][1], order[0])
+        return [order[i] for i in picks]
+
+    def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView]) -> list[tuple[float, float]]:
+        """Per replica, in prompt tokens: (the work ahead of this request there, its own prefill there)."""
+        prompt = len(info.rendered.data)
+        typical = self._work_sum / self.decisions if self.decisions else prompt / CHARS_PER_TOKEN
+        # Replicas known to hold the key hold its prefix (another instance may have said
+        # so, without the blocks). If none is known, the home holds the request's context
+        # with the chance that another instance sent it there (the others' share of what
+        # the replicas report): none for a lone instance.
+        # That context is everything before the last message: another instance sent this
+        # conversation's previous turns there, if it had any.
+        holders = self.index.holders(route.key)
+        spans = info.rendered.spans
+        context = max(route.cut, spans[-1].start if len(spans) > 1 else 0)
+        presumed = 0.0 if holders else context * _others_share(order)
+        ahead, uncached = [], []
+        for i, r in enumerate(order):
+            bit = self.bits.get(r.name)
+            held = float(self.index.depth_of(info.hashes, bit) * info.block) if bit is not None and info.hashes else 0.0
+            if bit is not None and holders >> bit & 1:
+                held = max(held, float(route.cut))
+            elif i == 0:
+                held = max(held, presumed)
+            # Queued prefill (ours, and others' waiting requests as average ones of ours),
+            # and the requests decoding there as last reported, each holding an average
+            # request's context (Dynamo's decode blocks; ours not yet running are queued).
+            ahead.append(self.backlog.get(r.name) + (_others_waiting(r) + (r.running or 0.0) / r.weight) * typical)
+            uncached.append(max(0.0, prompt - held) / CHARS_PER_TOKEN)
+        # Prefill that another replica would not need is paid twice: by the requests queued
+        # behind it, and by the cache, which keeps a second copy of a prefix it already has.
+        least = min(uncached)
+        return [(a + u - least, u) for a, u in zip(ahead, uncached)]
+
+    def _commit(self, info: PrefixInfo, route: RouteKey, chosen: ReplicaView, uncached: float,
+                home: ReplicaView) -> None:
+        """What a decision teaches: the chosen replica's queue grows, and it will hold the prompt."""
+        self.backlog.add(chosen.name, uncached)
+        self._work_sum += uncached
+        self.decisions += 1
+        bit = self._bit(chosen.name)
+        if chosen is not home:
+            self.moved += 1
+            if self.gossip is not None and not self.index.holders(route.key):
+                self.gossip.note(PLACED, route.key, chosen.name)  # the others presume it is home
+        if info.hashes:
+            self._hold(info, route, bit)
+
+
+def _others_share(replicas: Sequence[ReplicaView]) -> float:
+    """The share of the replicas' reported queues that is not this instance's (0 before any report)."""
+    total = mine = 0.0
+    for r in replicas:
+        queue = reported(r)
+        if queue is not None:
+            total += queue
+            mine += min(queue, r.in_flight_at_scrape)
+    return (total - mine) / total if total > 0 else 0.0
+
+
+def _others_waiting(replica: ReplicaView) -> float:
+    """Requests the replica reports waiting that are not this instance's (per unit weight).
+
+    The replica reports running and waiting together with every client's; of its
+    queue at the last scrape, this instance's share was ``in_flight_at_scrape``.
+    The rest, in the proportion the replica reports waiting, is others' work
+    still ahead of a new request.
+    """
+    queue = reported(replica)
+    if not queue or not replica.waiting:
+        return 0.0
+    others = max(0.0, queue - replica.in_flight_at_scrape)
+    return replica.waiting * others / queue / replica.weight
