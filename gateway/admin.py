@@ -1,14 +1,16 @@
 """The admin REST API, on its own listener (127.0.0.1 by default), behind its own token.
 
 Replicas (list with live load and prefix hit rate; add, drain, remove), tenants
-(CRUD, key rotation), caches (statistics, purge), routing, hygiene reports and
-configuration reload; ``/openapi.json`` describes all of it, and ``/`` serves
-the status page. Every request but ``GET /`` (the page's static HTML, which
-holds no data) must carry the admin token, unknown paths and the OpenAPI
-document included: the check wraps the whole app, so a route added later
-cannot forget it, and nobody without the token learns which routes exist. A
-tenant's API key is recognised and refused with 403; any other wrong token is
-401. Reads are GET; every mutation is POST, PUT, PATCH or DELETE.
+(CRUD, key rotation), caches (statistics, purge), routing, hygiene reports,
+trends (the status page's last 15 minutes) and configuration reload;
+``/openapi.json`` describes all of it, and ``/`` serves the status page.
+
+Every request but ``GET /`` (the page's static HTML, which holds no data) must
+carry the admin token, unknown paths and the OpenAPI document included: the
+check wraps the whole app, so a route added later cannot forget it, and nobody
+without the token learns which routes exist. A tenant's API key is recognised
+and refused with 403; any other wrong token is 401. Reads are GET; every
+mutation is POST, PUT, PATCH or DELETE.
 """
 
 from __future__ import annotations
@@ -185,6 +187,9 @@ def _routes(rt: Runtime) -> list[Route]:
     async def status(request: Request) -> Response:
         return JSONResponse(rt.status())
 
+    async def trends(request: Request) -> Response:
+        return JSONResponse(rt.trends.to_dict())
+
     g = _guard
     return [
         Route("/admin/replicas", g(replicas), methods=["GET"]),
@@ -200,6 +205,7 @@ def _routes(rt: Runtime) -> list[Route]:
         Route("/admin/hygiene", g(hygiene), methods=["GET"]),
         Route("/admin/config/reload", g(reload), methods=["POST"]),
         Route("/admin/status", g(status), methods=["GET"]),
+        Route("/admin/trends", g(trends), methods=["GET"]),
         *_tenant_routes(rt, g),
     ]
 
