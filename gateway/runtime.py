@@ -66,7 +66,8 @@ class Runtime:
         self.metrics = Metrics(lambda: self.pool, cache=lambda: self.cache, policy=lambda: self.policy)
         self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
-                                events=PoolEvents(on_eject=self._on_eject), transport=self.transport)
+                                events=PoolEvents(on_eject=self._on_eject, on_failure=self._on_failure),
+                                transport=self.transport)
         self.policy: RoutingPolicy = self._make_policy(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
         self.redis = _redis(settings)
@@ -158,6 +159,9 @@ class Runtime:
 
     def _on_eject(self, replica: Replica) -> None:
         self.metrics.ejections.labels(replica.name).inc()
+
+    def _on_failure(self, replica: Replica, kind: str) -> None:
+        self.metrics.upstream_errors.labels(replica.name, kind).inc()
 
     async def _dns_loop(self) -> None:
         name = self.settings.routing.dns_name or ""
