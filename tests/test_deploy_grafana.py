@@ -235,25 +235,29 @@ def _traffic(stack: Stack) -> None:
     tiny.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "one"}])
     with pytest.raises(openai.RateLimitError):
         tiny.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "two"}])
-    # A replica answering 503 before any byte: an upstream error, then a retry on the other one.
+    # Both replicas answering 503 before any byte: an upstream error on each (the request is
+    # retried on the other), and a 5xx for the client.
     for name in ("r1", "r2"):
         stack.faults(name, error_rate=1.0, error_status=503)
-        acme.chat.completions.create(model=MODEL, max_tokens=2, messages=[
-            {"role": "user", "content": f"while {name} fails {uuid.uuid4().hex}"}])
+    with pytest.raises(openai.APIStatusError) as failed:
+        acme.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "fail"}])
+    assert failed.value.status_code >= 500
+    for name in ("r1", "r2"):
         stack.faults(name, error_rate=0.0)
     time.sleep(0.5)  # a pool metrics scrape: running, waiting, KV usage, prefix-cache counters
 
 
-def _exposition(stack: Stack) -> tuple[set[str], set[str]]:
-    """(every sample name a family of this type can have, the sample names present with a value)."""
+def _exposition(stack: Stack) -> tuple[set[str], set[str], dict[tuple[str, frozenset[Any]], float]]:
+    """(every sample name a family of this type can have, the sample names present, their values)."""
     text = httpx.get(stack.url + "/metrics", timeout=5).text
-    declared, present = set(), set()
+    declared, present, values = set(), set(), {}
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",),
                 "summary": ("", "_count", "_sum"), "untyped": ("",)}
     for family in text_string_to_metric_families(text):
         declared.update(family.name + s for s in suffixes.get(family.type, ("",)))
         present.update(s.name for s in family.samples)
-    return declared, present
+        values.update({(s.name, frozenset(s.labels.items())): s.value for s in family.samples})
+    return declared, present, values
 
 
 # Named by the dashboard, but only counted on events the traffic above does not cause.
@@ -266,10 +270,15 @@ _EVENTS_ONLY = {
 
 def test_every_metric_the_dashboard_names_is_exported(stack: Stack) -> None:
     _traffic(stack)
-    declared, present = _exposition(stack)
+    declared, present, values = _exposition(stack)
     named = {name: where for where, expr in _queries() for name in metric_names(expr)}
     unknown = {n: w for n, w in named.items() if n not in declared}
     assert not unknown, f"the dashboard queries metrics kvgate does not export: {unknown}"
     silent = {n: w for n, w in named.items() if n not in present and n not in _EVENTS_ONLY}
     assert not silent, f"exported, but no sample after the traffic: {silent}"
     assert _EVENTS_ONLY <= set(named), "keep _EVENTS_ONLY to names the dashboard uses"
+    # The new families count what happened: one verifier rejection (a number), one 503 per replica.
+    assert values[("kvgate_semantic_cache_rejections_total", frozenset({("reason", "number")}))] == 1
+    for name in ("r1", "r2"):
+        assert values[("kvgate_upstream_errors_total", frozenset({("replica", name), ("kind", "http_503")}))] >= 1
+    assert values[("kvgate_semantic_cache_refusals_total", frozenset({("reason", "finish_reason:length")}))] >= 4
