@@ -282,3 +282,10 @@ def test_every_metric_the_dashboard_names_is_exported(stack: Stack) -> None:
     for name in ("r1", "r2"):
         assert values[("kvgate_upstream_errors_total", frozenset({("replica", name), ("kind", "http_503")}))] >= 1
     assert values[("kvgate_semantic_cache_refusals_total", frozenset({("reason", "finish_reason:length")}))] >= 4
+
+
+def test_readmes_explain_the_monitoring_profile() -> None:
+    for path in (DEPLOY / "README.md", ROOT / "README.md"):
+        text = path.read_text()
+        for needle in ("--profile monitoring", "deploy/grafana/", "127.0.0.1:3000"):
+            assert needle in text, f"{path.relative_to(ROOT)} does not mention {needle}"
