@@ -10,7 +10,7 @@ would want to see in the trend lines:
 2. a burst: three times the clients;
 3. a regression: one tenant starts putting the time in its system prompt, so
    its prefix no longer caches (hit rate drops, TTFT rises, hygiene warns);
-4. recovery, with some questions asked again (semantic-cache hits).
+4. recovery, half the questions asked again (semantic-cache hits).
 
     python -m bench.status_screenshot --out docs/status.png     # about 3.5 minutes
     python -m bench.status_screenshot --phase-s 10 --out /tmp/status.png   # quicker, sparser lines
@@ -63,7 +63,7 @@ async def _user(client: openai.AsyncOpenAI, tenant: str, until: float, clock: di
         if clock["timestamp"] == tenant:
             system = f"Current time: {time.strftime('%Y-%m-%dT%H:%M:%S')}. " + system
         question = rng.choice(QUESTIONS)
-        if not clock["repeat"]:
+        if rng.random() >= clock["repeat"]:  # the share of questions asked again as they were
             question += f" (ticket {rng.randrange(10**6)})"
         try:
             stream = await client.chat.completions.create(
@@ -146,13 +146,13 @@ async def main(args: argparse.Namespace) -> None:
 
 
 async def _traffic(args: argparse.Namespace, base_url: str, admin_port: int) -> None:
-    clock: dict[str, Any] = {"timestamp": None, "repeat": False}
+    clock: dict[str, Any] = {"timestamp": None, "repeat": 0.0}
     await _phase("steady", args.phase_s, 2, clock, base_url)
     await _phase("burst", args.phase_s / 2, 6, clock, base_url)
     await _phase("steady", args.phase_s / 2, 2, clock, base_url)
     clock["timestamp"] = "globex"
     await _phase("globex puts the time in its system prompt", args.phase_s, 2, clock, base_url)
-    clock.update(timestamp=None, repeat=True)
+    clock.update(timestamp=None, repeat=0.5)
     last = asyncio.create_task(_phase("recovery, questions asked again", args.phase_s, 2, clock, base_url))
     await asyncio.sleep(args.phase_s - 5)  # the picture while traffic still flows
     await _shoot(f"http://127.0.0.1:{admin_port}/#token={TOKEN}", args.out.resolve(), args.width, args.height)

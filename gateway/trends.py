@@ -15,12 +15,15 @@ Grafana panel over the same interval agree.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .metrics import Metrics
+
+log = logging.getLogger("kvgate.trends")
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,12 @@ class Trends:
         self._last = now
 
     async def run(self) -> None:
-        self.tick()
         while True:
+            try:
+                self.tick()
+            except Exception:  # a sampling bug costs the trend lines, never the gateway
+                log.exception("trend sample failed")
             await asyncio.sleep(self.interval_s)
-            self.tick()
 
     def to_dict(self) -> dict[str, Any]:
         return {"interval_s": self.interval_s, "capacity": self.samples.maxlen,
