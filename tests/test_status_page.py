@@ -43,8 +43,9 @@ def test_status_page_renders_in_headless_chromium(tmp_path: Path) -> None:
                     system, {"role": "user", "content": f"question {i}"}]):
                 pass
             time.sleep(0.05)
-        assert stack.wait_for(lambda: len(stack.runtime.trends.samples) >= 4 and any(
-            s.ttft_p95_s is not None and s.prefix_hit_rate for s in stack.runtime.trends.samples))
+        samples = stack.runtime.trends.samples
+        assert stack.wait_for(lambda: len(samples) >= 4 and any(s.ttft_p95_s is not None for s in samples)
+                              and any(s.prefix_hit_rate for s in samples))
         assert stack.admin is not None
         shot = tmp_path / "status.png"
         profile = tempfile.mkdtemp(prefix="kvgate-chromium-")
