@@ -1,11 +1,16 @@
 """The admin REST API, on its own listener (127.0.0.1 by default), behind its own token.
 
 Replicas (list with live load and prefix hit rate; add, drain, remove), tenants
-(CRUD, key rotation), caches (statistics, purge), routing, hygiene reports and
-configuration reload; ``/openapi.json`` describes all of it, and ``/`` serves
-the status page. A tenant's API key is recognised and refused with 403; any
-other wrong token is 401. Reads are GET; every mutation is POST, PUT, PATCH or
-DELETE.
+(CRUD, key rotation), caches (statistics, purge), routing, hygiene reports,
+trends (the status page's last 15 minutes) and configuration reload;
+``/openapi.json`` describes all of it, and ``/`` serves the status page.
+
+Every request but ``GET /`` (the page's static HTML, which holds no data) must
+carry the admin token, unknown paths and the OpenAPI document included: the
+check wraps the whole app, so a route added later cannot forget it, and nobody
+without the token learns which routes exist. A tenant's API key is recognised
+and refused with 403; any other wrong token is 401. Reads are GET; every
+mutation is POST, PUT, PATCH or DELETE.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import Field, ValidationError, field_validator
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -24,6 +30,7 @@ from starlette.routing import Route
 from .admin_bodies import Body as _Body
 from .admin_openapi import openapi_document
 from .admin_tenants import tenant_routes
+from .asgi_io import Receive, Scope, Send
 from .errors import BadRequest, Forbidden, GatewayError, NotFound, Unauthorized, error_payload
 from .pool import snapshot
 from .runtime import Runtime
@@ -73,27 +80,52 @@ async def _json(request: Request, model: type[_Body]) -> Any:
         raise BadRequest(f"invalid body: {first['msg']}", param=param) from None
 
 
-def _guard(rt: Runtime, handler: Handler) -> Handler:
+def _guard(handler: Handler) -> Handler:
+    """Turns a handler's GatewayError into its OpenAI-shaped response (authorisation is ``_Authorized``)."""
     async def guarded(request: Request) -> Response:
         try:
-            _authorize(rt, request)
             return await handler(request)
         except GatewayError as err:
             return _err(err)
     return guarded
 
 
-def _authorize(rt: Runtime, request: Request) -> None:
+def _presented(headers: Headers) -> tuple[str, list[str]]:
+    """The bearer token, and every credential the request carries (tenant keys come in three headers)."""
+    auth = headers.get("authorization", "")
+    bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    others = [v.strip() for v in (headers.get("x-api-key", ""), headers.get("api-key", "")) if v.strip()]
+    return bearer, [bearer, *others] if bearer else others
+
+
+def _authorize(rt: Runtime, headers: Headers) -> None:
     token = rt.settings.admin.token
-    auth = request.headers.get("authorization", "")
-    presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
     if token is None:
         raise Forbidden("the admin API is disabled: set admin.token", code="admin_disabled")
-    if presented and hmac.compare_digest(presented.encode(), token.get_secret_value().encode()):
+    bearer, presented = _presented(headers)
+    if bearer and hmac.compare_digest(bearer.encode(), token.get_secret_value().encode()):
         return
-    if presented and rt.is_tenant_key(presented):
+    if any(rt.is_tenant_key(key) for key in presented):
         raise Forbidden("tenant keys cannot use the admin API")
     raise Unauthorized("missing or invalid admin token", code="invalid_admin_token")
+
+
+class _Authorized:
+    """The admin listener's outermost layer: the admin token, before any routing."""
+
+    def __init__(self, rt: Runtime, app: Starlette) -> None:
+        self.rt = rt
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not (scope["path"] == "/" and scope["method"] in ("GET", "HEAD")):
+            try:
+                _authorize(self.rt, Headers(scope=scope))
+            except GatewayError as err:
+                await _err(err)(scope, receive, send)  # type: ignore[arg-type]
+                return
+        await self.app(scope, receive, send)  # type: ignore[arg-type]
 
 
 def _routes(rt: Runtime) -> list[Route]:
@@ -155,7 +187,10 @@ def _routes(rt: Runtime) -> list[Route]:
     async def status(request: Request) -> Response:
         return JSONResponse(rt.status())
 
-    g = lambda h: _guard(rt, h)  # noqa: E731
+    async def trends(request: Request) -> Response:
+        return JSONResponse(rt.trends.to_dict())
+
+    g = _guard
     return [
         Route("/admin/replicas", g(replicas), methods=["GET"]),
         Route("/admin/replicas", g(add_replica), methods=["POST"]),
@@ -170,6 +205,7 @@ def _routes(rt: Runtime) -> list[Route]:
         Route("/admin/hygiene", g(hygiene), methods=["GET"]),
         Route("/admin/config/reload", g(reload), methods=["POST"]),
         Route("/admin/status", g(status), methods=["GET"]),
+        Route("/admin/trends", g(trends), methods=["GET"]),
         *_tenant_routes(rt, g),
     ]
 
@@ -191,7 +227,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     return _err(NotFound(f"unknown admin route {request.url.path}", code="unknown_route"))
 
 
-def build_admin_app(rt: Runtime) -> Starlette:
+def build_admin_app(rt: Runtime) -> _Authorized:
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document())
 
@@ -200,4 +236,4 @@ def build_admin_app(rt: Runtime) -> Starlette:
 
     routes = [Route("/openapi.json", openapi, methods=["GET"]), Route("/", page, methods=["GET"]),
               *_routes(rt)]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _not_found})
+    return _Authorized(rt, Starlette(routes=routes, exception_handlers={HTTPException: _not_found}))

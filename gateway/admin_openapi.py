@@ -76,6 +76,13 @@ _SCHEMAS: dict[str, Any] = {
         "normalize_tools": {"type": "boolean", "nullable": True},
         "sort_tools": {"type": "boolean", "nullable": True},
         "prompt_hygiene": {"type": "boolean", "nullable": True}}},
+    "Trends": {"type": "object", "required": ["interval_s", "capacity", "samples"], "properties": {
+        "interval_s": {"type": "number"}, "capacity": {"type": "integer"},
+        "samples": {"type": "array", "items": {"type": "object", "required": ["t", "requests_per_s"], "properties": {
+            "t": {"type": "number", "description": "end of the interval, unix seconds"},
+            "requests_per_s": {"type": "number"},
+            "prefix_hit_rate": {"type": "number", "nullable": True},
+            "ttft_p95_s": {"type": "number", "nullable": True}}}}}},
     "KeyIn": {"type": "object", "additionalProperties": False, "properties": {
         "rotate": {"type": "boolean"}, "key_id": {"type": "string", "maxLength": 64, "nullable": True}}},
 }
@@ -105,6 +112,9 @@ def openapi_document() -> dict[str, Any]:
         "/admin/config/reload": {"post": _op("Reload the configuration file", "200", schema=_OBJ,
                                              errors=("400",))},
         "/admin/status": {"get": _op("Everything the status page shows", "200", schema=_OBJ)},
+        "/admin/trends": {"get": _op("Per-interval samples (request rate, fleet prefix-cache hit rate, "
+                                     "TTFT p95) for the last 15 minutes", "200",
+                                     schema={"$ref": "#/components/schemas/Trends"})},
         "/admin/tenants": {
             "get": _op("List tenants (never key material)", "200", schema=_OBJ),
             "post": _op("Create a tenant; returns its first key once", "201", schema=_OBJ, body="TenantIn",

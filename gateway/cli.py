@@ -49,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .serve import run
 
     return run(run_demo(port=args.port, replicas=args.replicas, time_scale=args.time_scale,
-                                semantic_cache=not args.no_semantic_cache))
+                        semantic_cache=not args.no_semantic_cache, admin_port=args.admin_port))
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -58,14 +58,15 @@ def _sim(args: argparse.Namespace) -> int:
     return run(args) or 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="OpenAI-compatible gateway for vLLM fleets")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway from a YAML config (KVGATE_* variables override it)")
     serve.add_argument("--config", "-c", help="YAML config file (or KVGATE_CONFIG)")
     serve.set_defaults(func=_serve)
     demo = sub.add_parser("demo", help="kvgate in front of simulated vLLM replicas; no Redis, no GPU")
-    demo.add_argument("--port", type=int, default=8080)
+    demo.add_argument("--port", type=int, default=8080, help="public port (a free one if taken; 0: any)")
+    demo.add_argument("--admin-port", type=int, default=8081, help="admin and status page (a free one if taken)")
     demo.add_argument("--replicas", type=int, default=3)
     demo.add_argument("--time-scale", type=float, default=0.2, help="simulated GPU time x this factor")
     demo.add_argument("--no-semantic-cache", action="store_true")
@@ -75,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(sim)
     sim.set_defaults(func=_sim)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

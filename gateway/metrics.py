@@ -1,15 +1,18 @@
 """Prometheus metrics, in a registry owned by the runtime (no module globals).
 
-Replica gauges are read from the pool at scrape time by a collector, so the
-hot path only increments counters and observes histograms.
+Replica gauges, the semantic cache's counters by reason and the routing
+policy's own counts are read at scrape time by collectors, from state that
+exists anyway, so the hot path only increments counters and observes
+histograms.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections import Counter as Tally
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .pool import ReplicaPool
@@ -21,7 +24,7 @@ class _PoolCollector(Collector):
     def __init__(self, pool: Callable[[], ReplicaPool | None]) -> None:
         self._pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         pool = self._pool()
         if pool is None:
             return
@@ -36,6 +39,12 @@ class _PoolCollector(Collector):
         kv = GaugeMetricFamily("kvgate_replica_kv_usage", "vllm:kv_cache_usage_perc as scraped", labels=["replica"])
         hit = GaugeMetricFamily("kvgate_replica_prefix_hit_ratio",
                                 "replica's own prefix-cache hit ratio (hits/queries, tokens)", labels=["replica"])
+        # vLLM's own counters, passed on so a dashboard can rate() them: the ratio above is
+        # since the replica started, these give the hit rate over any window.
+        queries = CounterMetricFamily("kvgate_replica_prefix_cache_queries",
+                                      "vllm:prefix_cache_queries_total as scraped (tokens)", labels=["replica"])
+        hits = CounterMetricFamily("kvgate_replica_prefix_cache_hits",
+                                   "vllm:prefix_cache_hits_total as scraped (tokens)", labels=["replica"])
         for r in pool.replicas.values():
             up.add_metric([r.name], 1.0 if r.available(now) else 0.0)
             inflight.add_metric([r.name], r.in_flight)
@@ -47,11 +56,58 @@ class _PoolCollector(Collector):
                 kv.add_metric([r.name], r.kv_usage)
             if r.prefix_queries:
                 hit.add_metric([r.name], (r.prefix_hits or 0.0) / r.prefix_queries)
-        yield from (up, inflight, running, waiting, kv, hit)
+            if r.prefix_queries is not None:
+                queries.add_metric([r.name], r.prefix_queries)
+                hits.add_metric([r.name], r.prefix_hits or 0.0)
+        yield from (up, inflight, running, waiting, kv, hit, queries, hits)
+
+
+# The semantic cache's own tallies (``SemanticCache.counters``), by reason, as counters.
+_CACHE_FAMILIES = (
+    ("rejected", "kvgate_semantic_cache_rejections", "candidates the verifier rejected, by rule", "reason"),
+    ("miss", "kvgate_semantic_cache_misses", "semantic-cache misses by reason", "reason"),
+    ("bypass", "kvgate_semantic_cache_bypasses", "requests the semantic cache did not look up, by reason",
+     "reason"),
+    ("stores", "kvgate_semantic_cache_stores", "answers stored (ok), evicted or failed", "result"),
+    ("refused", "kvgate_semantic_cache_refusals", "answers not stored, by reason", "reason"),
+)
+
+
+class _CacheCollector(Collector):
+    def __init__(self, cache: Callable[[], Any]) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        counters: dict[str, Tally[str]] = getattr(self._cache(), "counters", None) or {}
+        for key, name, doc, label in _CACHE_FAMILIES:
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value, n in sorted(dict(counters.get(key) or {}).items()):
+                family.add_metric([str(value)], n)
+            yield family
+
+
+class _PolicyCollector(Collector):
+    """How the routing policy chose: the hash order, or the block index overriding it."""
+
+    def __init__(self, policy: Callable[[], Any]) -> None:
+        self._policy = policy
+
+    def collect(self) -> Iterator[Metric]:
+        policy = self._policy()
+        family = CounterMetricFamily("kvgate_routing_policy_decisions",
+                                     "prefix_affinity's decisions: hash order, or the block index overriding it",
+                                     labels=["policy", "outcome"])
+        decisions, follows = getattr(policy, "decisions", None), getattr(policy, "follows", None)
+        if isinstance(decisions, int) and isinstance(follows, int):
+            name = str(getattr(policy, "name", "?"))
+            family.add_metric([name, "hash_order"], decisions - follows)
+            family.add_metric([name, "index_follow"], follows)
+        yield family
 
 
 class Metrics:
-    def __init__(self, pool: Callable[[], ReplicaPool | None] = lambda: None) -> None:
+    def __init__(self, pool: Callable[[], ReplicaPool | None] = lambda: None, *,
+                 cache: Callable[[], Any] = lambda: None, policy: Callable[[], Any] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("kvgate_requests", "requests by endpoint, status and replica",
@@ -77,6 +133,8 @@ class Metrics:
         self.rate_limited = Counter("kvgate_rate_limited", "requests refused by a tenant limit",
                                     ["tenant", "limit"], registry=r)
         r.register(_PoolCollector(pool))
+        r.register(_CacheCollector(cache))
+        r.register(_PolicyCollector(policy))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -128,6 +128,7 @@ class PoolEvents:
 
     on_eject: Callable[[Replica], None] = lambda r: None
     on_restore: Callable[[Replica], None] = lambda r: None
+    on_failure: Callable[[Replica, str], None] = lambda r, kind: None
 
 
 class ReplicaPool:
@@ -202,8 +203,12 @@ class ReplicaPool:
         replica.served += 1
         replica.last_ok = self.clock()
 
-    def record_failure(self, replica: Replica) -> None:
-        """A 5xx or connect error from the replica (never our own rejections, never 429)."""
+    def record_failure(self, replica: Replica, kind: str = "response") -> None:
+        """A 5xx or connect error from the replica (never our own rejections, never 429).
+
+        ``kind`` (connect, connect_timeout, http_503, ...; "response": a reply that failed
+        after its status, a broken or stalled stream) labels kvgate_upstream_errors_total."""
+        self.events.on_failure(replica, kind)
         replica.failures += 1
         replica.consecutive_failures += 1
         if replica.consecutive_failures >= self.settings.eject_consecutive_failures:

@@ -26,6 +26,7 @@ from .pool import PoolEvents, Replica, ReplicaPool, snapshot
 from .settings import Settings, load_settings
 from .stats import TenantStats
 from .tracing import Tracing
+from .trends import Trends
 from .transport import UPSTREAM_HEADERS, LeanTransport
 
 if TYPE_CHECKING:
@@ -62,10 +63,11 @@ class Runtime:
         # transport itself); health checks use a client built on the same transport.
         self.transport = transport or LeanTransport(max_idle_per_origin=settings.pool.max_connections)
         self.client = make_client(settings, self.transport)
-        self.metrics = Metrics(lambda: self.pool)
+        self.metrics = Metrics(lambda: self.pool, cache=lambda: self.cache, policy=lambda: self.policy)
         self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
-                                events=PoolEvents(on_eject=self._on_eject), transport=self.transport)
+                                events=PoolEvents(on_eject=self._on_eject, on_failure=self._on_failure),
+                                transport=self.transport)
         self.policy: RoutingPolicy = self._make_policy(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
         self.redis = _redis(settings)
@@ -78,6 +80,8 @@ class Runtime:
             boundary_marker=settings.routing.boundary_marker)
         self.cache: SemanticCache | None = None
         self.tenant_stats = TenantStats()
+        self.trends = Trends(self.metrics, interval_s=settings.admin.trend_interval_s,
+                             samples=settings.admin.trend_samples)
         self.routing_counts = {"first_choice": 0, "retried": 0}
         self.background: set[asyncio.Task[Any]] = set()
         self.routing_sync: RoutingSync | None = None
@@ -103,6 +107,7 @@ class Runtime:
         if self.settings.routing.dns_name:
             self.spawn(self._dns_loop())
         self._share_routing()
+        self.spawn(self.trends.run())
         await self.pool.start()
         self.started = True
 
@@ -154,6 +159,9 @@ class Runtime:
 
     def _on_eject(self, replica: Replica) -> None:
         self.metrics.ejections.labels(replica.name).inc()
+
+    def _on_failure(self, replica: Replica, kind: str) -> None:
+        self.metrics.upstream_errors.labels(replica.name, kind).inc()
 
     async def _dns_loop(self) -> None:
         name = self.settings.routing.dns_name or ""

@@ -38,6 +38,9 @@ class AdminSettings(_Section):
     port: int = Field(8081, ge=0, le=65535)
     token: SecretStr | None = None
     enabled: bool = True
+    # The status page's trend lines: one sample per interval, the last N kept (10 s x 90 = 15 min).
+    trend_interval_s: float = Field(10.0, gt=0, le=3600)
+    trend_samples: int = Field(90, ge=2, le=10_000)
 
 
 class ReplicaSettings(_Section):

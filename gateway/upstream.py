@@ -96,14 +96,14 @@ async def open_upstream(
             except httpx.TimeoutException as e:
                 lease.release()
                 if isinstance(e, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-                    pool.record_failure(replica)
+                    pool.record_failure(replica, "connect_timeout")
                     last_error = UpstreamError(f"replica {replica.name} did not accept the connection")
                     continue
                 # It may be working on the request: never duplicate generation.
                 raise UpstreamTimeout(f"replica {replica.name} sent no response in time") from None
             except _CONNECT_ERRORS:
                 lease.release()
-                pool.record_failure(replica)
+                pool.record_failure(replica, "connect")
                 last_error = UpstreamError(f"replica {replica.name} refused or dropped the connection")
                 continue
             except BaseException:
@@ -112,13 +112,13 @@ async def open_upstream(
             if response.status_code in _RETRYABLE_STATUS:
                 retry_after = _max_retry_after(retry_after, response)
                 if response.status_code == 503:
-                    pool.record_failure(replica)
+                    pool.record_failure(replica, "http_503")
                 last_error = await _status_error(response, replica)
                 await response.aclose()
                 lease.release()
                 continue
             if response.status_code >= 500:
-                pool.record_failure(replica)
+                pool.record_failure(replica, f"http_{response.status_code}")
             attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool)
             budget_held = 0
             return attempt

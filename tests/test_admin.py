@@ -38,6 +38,48 @@ def test_tokens_401_and_tenant_keys_403(stack: Stack) -> None:
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
 
 
+# Every route the admin listener has, plus paths and methods it does not: without the admin
+# token, none of them answers anything but 401 (no token, a wrong one) or 403 (a tenant's key).
+_EVERYWHERE = [("GET", "/openapi.json"), ("GET", "/admin/status"), ("GET", "/admin/replicas"),
+               ("POST", "/admin/replicas"), ("GET", "/admin/replicas/r1"), ("DELETE", "/admin/replicas/r1"),
+               ("POST", "/admin/replicas/r1/drain"), ("POST", "/admin/replicas/r1/undrain"),
+               ("GET", "/admin/routing"), ("PATCH", "/admin/routing"), ("GET", "/admin/cache"),
+               ("POST", "/admin/cache/purge"), ("GET", "/admin/hygiene"), ("POST", "/admin/config/reload"),
+               ("GET", "/admin/trends"), ("GET", "/admin/tenants"), ("POST", "/admin/tenants"),
+               ("GET", "/admin/tenants/acme"), ("PATCH", "/admin/tenants/acme"),
+               ("DELETE", "/admin/tenants/acme"), ("POST", "/admin/tenants/acme/keys"),
+               ("DELETE", "/admin/tenants/acme/keys/k1"), ("GET", "/admin/nothing-here"),
+               ("GET", "/docs"), ("GET", "/metrics"), ("POST", "/"), ("DELETE", "/openapi.json")]
+
+
+@pytest.mark.parametrize(("method", "path"), _EVERYWHERE)
+def test_everything_but_the_page_needs_the_admin_token(stack: Stack, method: str, path: str) -> None:
+    assert stack.admin is not None
+    url = stack.admin.url + path
+    body = {"json": {}} if method in ("POST", "PATCH") else {}
+    assert httpx.request(method, url, timeout=5, **body).status_code == 401
+    assert httpx.request(method, url, headers={"authorization": "Bearer nope"}, timeout=5, **body).status_code == 401
+    for headers in ({"authorization": "Bearer sk-acme-1"}, {"x-api-key": "sk-acme-1"}, {"api-key": "sk-acme-1"}):
+        r = httpx.request(method, url, headers=headers, timeout=5, **body)
+        assert r.status_code == 403, (headers, r.text)
+        assert r.json()["error"]["type"] == "permission_error" and "sk-acme-1" not in r.text
+
+
+def test_only_the_page_html_is_open(stack: Stack) -> None:
+    assert stack.admin is not None
+    page = httpx.get(stack.admin.url + "/", timeout=5)
+    assert page.status_code == 200 and "<title>kvgate status</title>" in page.text
+    assert httpx.head(stack.admin.url + "/", timeout=5).status_code == 200
+    assert "r1" not in page.text and "acme" not in page.text  # data comes only from /admin/status
+    openapi = httpx.get(stack.admin.url + "/openapi.json", headers={"authorization": f"Bearer {TOKEN}"}, timeout=5)
+    assert openapi.status_code == 200 and "/admin/status" in openapi.json()["paths"]
+    # With the token, routing answers as before: an unknown route is a 404, a wrong method a 405.
+    unknown = httpx.get(stack.admin.url + "/admin/nothing-here", headers={"authorization": f"Bearer {TOKEN}"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_route"
+    assert httpx.delete(stack.admin.url + "/openapi.json", headers={"authorization": f"Bearer {TOKEN}"}
+                        ).status_code == 405
+
+
 def test_the_sdk_sees_403_for_a_tenant_key_on_the_admin_api(stack: Stack) -> None:
     assert stack.admin is not None
     sdk = openai.OpenAI(base_url=stack.admin.url, api_key="sk-acme-1", max_retries=0)
@@ -107,7 +149,7 @@ def test_routing_cache_hygiene_status_openapi(admin: httpx.Client) -> None:
     assert "tenants" in admin.get("/admin/hygiene").json()
     status = admin.get("/admin/status").json()
     assert {"replicas", "tenants", "totals", "hygiene", "cache", "routing"} <= set(status)
-    doc = httpx.get(str(admin.base_url) + "/openapi.json", timeout=5).json()
+    doc = admin.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.") and "/admin/tenants/{name}/keys" in doc["paths"]
     assert "<title>kvgate status</title>" in httpx.get(str(admin.base_url) + "/", timeout=5).text
     assert admin.post("/admin/config/reload").status_code == 400  # started without a file
