@@ -8,7 +8,8 @@ For every request the policy asks each eligible replica one question: how many
 prompt tokens would this request wait behind there, and add? (NVIDIA Dynamo's
 KV router asks the same.)
 
-    cost(r) = queued(r) + uncached(r)             in prompt tokens
+    cost(r) = queued(r) + uncached(r) + in_flight(r) x (uncached(r) - min uncached)
+                                                  in prompt tokens
 
 * ``uncached(r)``: the request's prompt minus what ``r`` is believed to hold of
   it (``routing.block_index``: what this instance sent there, or saw served
@@ -18,6 +19,11 @@ KV router asks the same.)
   ``r`` has not prefilled yet (``routing.backlog``), plus the requests ``r``
   reports waiting for other clients, each weighed as an average request of
   ours (their prompts are not known here; their traffic is assumed alike).
+* the last term prices the prefill a replica does only because the request did
+  not go where it is warmest: every request in flight there waits for, or
+  decodes around, that extra prefill (Little's law: they are the requests the
+  extra work delays). On an idle replica moving is nearly free; on a busy one
+  it must buy its way with a queue that much shorter.
 
 **The bound** (consistent hashing with bounded loads, Mirrokni, Thorup and
 Zadimoghaddam): a replica takes the request only if its in-flight count stays
@@ -69,6 +75,8 @@ from .settings import RoutingSettings
 __all__ = ["CostModel"]
 
 _MAX_REPLICA_IDS = 4096
+# Where a request was sent, in its scratch: a retry elsewhere is news for ``observe``.
+_SENT = "kvgate.sent"
 
 
 class CostModel:
@@ -77,7 +85,9 @@ class CostModel:
     def __init__(self, settings: RoutingSettings | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings or RoutingSettings()
-        self.keyer = PrefixKeyer(self.settings)
+        # The key only orders ties and names a home: shared blocks inside a message are
+        # found by the index, so message ends and explicit boundaries are cuts enough.
+        self.keyer = PrefixKeyer(self.settings, layers_inside_messages=False)
         self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks, tails=True)
         self.bits = ReplicaBits()
         self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
@@ -101,9 +111,11 @@ class CostModel:
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         if not feedback.ok:
             return
-        info = analyse(request, self.settings)
+        info = analyse(request, self.settings, self.keyer.chains)
         if not info.hashes:
             return
+        if request.scratch.get(_SENT) == feedback.replica:
+            return  # recorded when it was sent there
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
         bit = self._bit(feedback.replica)
         if self.gossip is not None and not self.index.holders(route.key) >> bit & 1:
@@ -145,7 +157,7 @@ class CostModel:
             return list(replicas)
         if len(self._salts) > _MAX_REPLICA_IDS:
             self._salts.clear()
-        info = analyse(request, self.settings)
+        info = analyse(request, self.settings, self.keyer.chains)
         route = self.keyer.key_for(request, len(replicas), learn=learn)
         order = rendezvous_order(route.key, replicas, self._salts)
         now = [load_now(r) for r in order]
@@ -157,7 +169,7 @@ class CostModel:
         over = sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
         picks = inside + over
         if learn:
-            self._commit(info, route, order[picks[0]], work[picks[0]][1], order[0])
+            self._commit(request, info, route, order[picks[0]], work[picks[0]][1], order[0])
         return [order[i] for i in picks]
 
     def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView]) -> list[tuple[float, float]]:
@@ -182,18 +194,17 @@ class CostModel:
                 held = max(held, float(route.cut))
             elif i == 0:
                 held = max(held, presumed)
-            # Queued prefill (ours, and others' waiting requests as average ones of ours),
-            # and the requests decoding there as last reported, each holding an average
-            # request's context (Dynamo's decode blocks; ours not yet running are queued).
-            ahead.append(self.backlog.get(r.name) + (_others_waiting(r) + (r.running or 0.0) / r.weight) * typical)
+            # Queued prefill: ours, and others' waiting requests weighed as average ones of ours.
+            ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical)
             uncached.append(max(0.0, prompt - held) / CHARS_PER_TOKEN)
-        # Prefill that another replica would not need is paid twice: by the requests queued
-        # behind it, and by the cache, which keeps a second copy of a prefix it already has.
+        # Prefill that the best-placed replica would not need is paid once by this request
+        # and once more by every request in flight where it lands: each waits for, or
+        # decodes around, that extra prefill step.
         least = min(uncached)
-        return [(a + u - least, u) for a, u in zip(ahead, uncached)]
+        return [(a + load_now(r) * (u - least), u) for a, u, r in zip(ahead, uncached, order)]
 
-    def _commit(self, info: PrefixInfo, route: RouteKey, chosen: ReplicaView, uncached: float,
-                home: ReplicaView) -> None:
+    def _commit(self, request: RouteRequest, info: PrefixInfo, route: RouteKey, chosen: ReplicaView,
+                uncached: float, home: ReplicaView) -> None:
         """What a decision teaches: the chosen replica's queue grows, and it will hold the prompt."""
         self.backlog.add(chosen.name, uncached)
         self._work_sum += uncached
@@ -205,6 +216,7 @@ class CostModel:
                 self.gossip.note(PLACED, route.key, chosen.name)  # the others presume it is home
         if info.hashes:
             self._hold(info, route, bit)
+            request.scratch[_SENT] = chosen.name
 
 
 def _others_share(replicas: Sequence[ReplicaView]) -> float:

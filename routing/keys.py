@@ -39,6 +39,7 @@ import xxhash
 from .base import RouteRequest
 from .block_index import sampled_positions
 from .boundary import candidate_cuts, explicit_cuts, stable_cap
+from .chains import ChainCache
 from .hashing import Rendered, chain_hashes, cut_hash, prefix_seed, render
 from .hotness import Popularity
 from .settings import RoutingSettings
@@ -81,8 +82,11 @@ class RouteKey:
     capped: int
 
 
-def analyse(request: RouteRequest, settings: RoutingSettings) -> PrefixInfo:
-    """Render and hash ``request`` once; later calls with the same settings reuse the result."""
+def analyse(request: RouteRequest, settings: RoutingSettings, chains: ChainCache | None = None) -> PrefixInfo:
+    """Render and hash ``request`` once; later calls with the same settings reuse the result.
+
+    With ``chains``, a prefix hashed for an earlier request is not hashed again.
+    """
     tag = (settings.block_chars, settings.max_blocks, settings.boundary_marker)
     cached = request.scratch.get(_SCRATCH_INFO)
     if cached is not None and cached[0] == tag:
@@ -90,7 +94,10 @@ def analyse(request: RouteRequest, settings: RoutingSettings) -> PrefixInfo:
     rendered = render(request.endpoint, request.body)
     seed = prefix_seed(request.model, request.namespace)
     block = settings.block_chars
-    hashes = chain_hashes(rendered.data, seed, block, settings.max_blocks)
+    if chains is None:
+        hashes = chain_hashes(rendered.data, seed, block, settings.max_blocks)
+    else:
+        hashes = chains.chain(rendered.data, seed, block, settings.max_blocks, rendered.spans)
     limit = len(rendered.data) if len(rendered.data) // block <= len(hashes) else len(hashes) * block
     explicit = explicit_cuts(rendered, settings.boundary_marker, request.boundary_hint)
     info = PrefixInfo(rendered, seed, hashes, explicit, limit, block)
@@ -120,10 +127,15 @@ def _context_ends(rendered: Rendered, explicit: list[int], cut: int) -> tuple[in
 class PrefixKeyer:
     """Chooses routing keys; owns the per-instance popularity estimate."""
 
-    def __init__(self, settings: RoutingSettings) -> None:
+    def __init__(self, settings: RoutingSettings, layers_inside_messages: bool = True) -> None:
+        """``layers_inside_messages``: also cut at sampled block positions, to find layers
+        nobody declared inside one message (an organisation's policies inside a long
+        system prompt). A policy that finds shared blocks through its index needs only
+        message ends and explicit boundaries."""
         self.settings = settings
         self.popularity = Popularity(max(1000, settings.index_capacity // 4))
-        self._positions = sampled_positions(settings.max_blocks)
+        self.chains = ChainCache()
+        self._positions = sampled_positions(settings.max_blocks) if layers_inside_messages else ()
 
     def key_for(self, request: RouteRequest, replicas: int, learn: bool = True) -> RouteKey:
         """The request's routing key in a fleet of ``replicas``.
@@ -135,7 +147,7 @@ class PrefixKeyer:
         cached = request.scratch.get(_SCRATCH_KEY)
         if cached is not None and cached[0] is self:
             return cached[1]
-        info = analyse(request, self.settings)
+        info = analyse(request, self.settings, self.chains)
         n = max(replicas, 1)
         wide_share = self.settings.hot_fraction / n
         window = max(64, math.ceil(_WIDE_MIN_COUNT / wide_share))

@@ -159,7 +159,7 @@ class PrefixAffinity:
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         if not feedback.ok:
             return
-        info = analyse(request, self.settings)
+        info = analyse(request, self.settings, self.keyer.chains)
         if not info.hashes:
             return
         bit = self._bit(feedback.replica)
@@ -232,7 +232,7 @@ class PrefixAffinity:
         # with other instances about, its own memory would make it disagree with them.
         last = self.recent.get(context) if self.load.alone() else None
         inside, over = self._bound(context, order, placed, last, self.young.get(key) if placed else None)
-        info = analyse(request, self.settings)
+        info = analyse(request, self.settings, self.keyer.chains)
         again = _find(inside, last)
         if again is not None:
             inside = _to_front(inside, again)  # its answer may not be back: the index can't know
