@@ -18,7 +18,7 @@ import asyncio
 from pathlib import Path
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -95,6 +95,9 @@ class Metrics:
         if multiprocess_dir is None:
             r.register(_PoolCollector(pool))
             return
+        if values.ValueClass is values.MutexValue:  # chosen once, when prometheus_client is imported
+            raise RuntimeError("a worker's metrics need PROMETHEUS_MULTIPROC_DIR set before it starts "
+                               "(the supervisor, gateway.workers, sets it)")
         self.in_flight = Gauge("kvgate_replica_in_flight", "requests in flight from this instance",
                                ["replica"], registry=None, multiprocess_mode="livesum")
         self._in_flight_names: set[str] = set()
