@@ -209,15 +209,15 @@ def run_cells(args: argparse.Namespace, targets: list[Target], pids: dict[str, i
 
 def _print_cells(case: str, mode: str, c: int, cells: dict[str, dict[str, float]], header: bool) -> None:
     if header:
-        print(f"{'prompt':<26}{'mode':<7}{'conc':>5}  {'target':<34}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>8}"
+        print(f"{'prompt':<26}{'mode':<7}{'conc':>5}  {'target':<34}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>8}"
               f" | {'added p50':>9}{'added p99':>10}{'rps ratio':>10} | {'CPU µs/req':>10}{'errors':>7}")
-        print("-" * 141)
+        print("-" * 143)
     d = cells["direct"]
     for label, v in cells.items():
-        added = "" if label == "direct" else (f"{v['p50'] - d['p50']:>9.3f}{v['p99'] - d['p99']:>10.3f}"
+        added = "" if label == "direct" else (f"{v['p50'] - d['p50']:>9.3f} {v['p99'] - d['p99']:>9.3f}"
                                               f"{v['rps'] / d['rps'] if d['rps'] else 0:>10.2f}")
         cpu = "" if label == "direct" else f"{v['cpu_us']:>10.0f}"
-        print(f"{case:<26}{mode:<7}{c:>5}  {label:<34}{v['p50']:>8.3f}{v['p99']:>8.3f}{v['rps']:>8.0f} | "
+        print(f"{case:<26}{mode:<7}{c:>5}  {label:<34}{v['p50']:>9.3f}{v['p99']:>9.3f}{v['rps']:>8.0f} | "
               f"{added:<29} | {cpu:>10}{int(v['errors']):>7}", flush=True)
     base = next((v for label, v in cells.items() if "round_robin" in label), None)
     for label, v in cells.items():
