@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kvgate: {e}", file=sys.stderr)
         return 2
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, worker=args.worker_id)
     if args.worker_id is None and settings.workers > 1:
         from .workers import supervise
 

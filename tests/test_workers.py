@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -42,6 +43,7 @@ class Gateway:
                   "replicas": [{"name": "r1", "url": sim, "models": [MODEL]}], "log_level": "warning",
                   "shutdown_delay_s": 1.0, "shutdown_grace_s": 20, "workers": 2, **kw}
         self.proc = start_kvgate(tmp, config)
+        self.log = tmp / "kvgate.log"
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin = f"http://127.0.0.1:{self.admin_port}"
         self.wait_for(lambda: self.workers()["running"] == 2)
@@ -195,6 +197,9 @@ def test_a_killed_worker_is_restarted_and_its_counts_stay_in_the_sums(gateway: G
     gateway.wait_for(lambda: "1" in gateway.served_by(4))  # the new worker 1 serves on the port
     total = _sample(gateway.fresh("GET", "/metrics").text, "kvgate_requests_total", endpoint="chat")
     assert total >= 24, total  # the dead worker's requests are still counted
+    records = [json.loads(line) for line in gateway.log.read_text().splitlines() if line.startswith("{")]
+    died = [r for r in records if r["msg"] == "worker died; restarting"]
+    assert [(r["worker"], r["pid"], r["exit_code"]) for r in died] == [(1, victim, -signal.SIGKILL)]
 
 
 def test_admin_changes_reach_every_worker(tmp_path: Path, gateway: Gateway) -> None:
