@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [Target("direct", up_port)]
     for policy in args.policy or [None]:
         for w in args.workers:
-            name = f"kvgate {policy or 'default policy'}"
+            name = f"kvgate {policy}" if policy else "kvgate"
             if args.workers != [1]:
                 name += f", {w} worker{'s' * (w > 1)}"
             targets.append(Target(name, _free_port(), policy, w))
