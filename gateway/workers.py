@@ -80,7 +80,11 @@ class Supervisor:
     # -- lifecycle ----------------------------------------------------------
     def run(self) -> int:
         try:
-            self._reserve_ports()
+            try:
+                self._reserve_ports()
+            except OSError as e:  # the port is someone else's: nothing to supervise
+                log.error("cannot bind the listeners", extra={"error": str(e)})
+                return 1
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
             for slot in self.slots:
