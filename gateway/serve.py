@@ -61,7 +61,7 @@ def make_server(app: Any, host: str, port: int, *, lifespan: Literal["auto", "on
     return server
 
 
-def reuse_port_socket(host: str, port: int, *, listen: bool = False) -> socket.socket:
+def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound with SO_REUSEPORT. Bound but not listening it only holds the port
     (the supervisor's reservation: it takes no connections); uvicorn calls listen() once
     the worker's start-up is done, so connections reach only workers that can serve them."""
@@ -71,8 +71,6 @@ def reuse_port_socket(host: str, port: int, *, listen: bool = False) -> socket.s
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        if listen:
-            sock.listen(2048)
     except OSError:
         sock.close()
         raise
@@ -104,10 +102,10 @@ async def run_servers(servers: list[uvicorn.Server], *, on_signal: Callable[[], 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, handle)
-    # Start in order, each once the previous is listening: replicas before the
-    # gateway whose start-up health check looks for them.
     if parent_pid is not None:
         watcher = asyncio.create_task(_watch_parent(parent_pid, handle))
+    # Start in order, each once the previous is listening: replicas before the
+    # gateway whose start-up health check looks for them.
     tasks = []
     for server in servers:
         task = asyncio.create_task(server.serve(sockets=getattr(server, "sockets", None)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -239,3 +240,25 @@ def test_a_port_in_use_fails_start_up_with_a_message(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], check=False,
                              capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 1 and "cannot bind the listeners" in out.stderr, out.stderr
+
+
+def test_workers_drain_and_exit_when_the_supervisor_is_killed(gateway: Gateway) -> None:
+    run_dir = _run_dir(gateway)
+    pids = [w["pid"] for w in gateway.workers()["workers"]]
+    gateway.proc.kill()
+    gateway.proc.wait(5)
+    try:
+        gateway.wait_for(lambda: not any(_running(pid) for pid in pids), timeout=20)
+    finally:
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(run_dir, ignore_errors=True)  # the supervisor had no chance to
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # reparented and exited, not yet reaped
