@@ -117,7 +117,7 @@ _TOPICS = ("Refunds", "Shipping", "Accounts", "Billing", "Privacy", "Escalation"
 
 def system_prompt(words: int, seed: int = 7) -> str:
     """A support assistant's instructions: sections of rules, ``words`` words in all. Measured
-    with a WordPiece tokenizer (MiniLM's), it is 1.28 tokens a word: 3,195 words, 4,070 tokens."""
+    with a WordPiece tokenizer (MiniLM's), it is 1.28 tokens a word: 3,200 words, 4,089 tokens."""
     rng = random.Random(seed)
     out = ["You are the customer support assistant of Example Store. Follow these rules."]
     count = len(out[0].split())
