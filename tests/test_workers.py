@@ -126,11 +126,11 @@ def test_in_flight_is_the_sum_over_workers(gateway: Gateway) -> None:
     streams: list[tuple[httpx.Client, Any]] = []
     seen = set()
     try:
-        while len(streams) < 12 or len(seen) < 2:  # streams in flight on both workers
+        while len(streams) < 12 or len(seen) < 2:  # streams in flight on both workers (30 s each, closed early)
             assert len(streams) < 40
             client = httpx.Client(timeout=30)
             r = client.send(client.build_request("POST", gateway.url + "/v1/chat/completions",
-                                                 json={**BODY, "max_tokens": 200, "stream": True}), stream=True)
+                                                 json={**BODY, "max_tokens": 1000, "stream": True}), stream=True)
             streams.append((client, r))
             seen.add(r.headers["x-kvgate-worker"])
         n = len(streams)
