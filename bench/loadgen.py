@@ -10,8 +10,10 @@ note the time of the first body byte and the end.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 
 @dataclass
@@ -75,9 +77,16 @@ def build_request(host: str, port: int, path: str, body: bytes, headers: dict[st
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def run_load(host: str, port: int, raw_request: bytes, *, concurrency: int, duration_s: float,
-                   warmup_s: float = 0.5) -> tuple[Result, float]:
-    """Closed loop: ``concurrency`` workers, each sending back to back. Returns (result, seconds measured)."""
+async def run_load(host: str, port: int, raw_request: bytes | Sequence[bytes], *, concurrency: int,
+                   duration_s: float, warmup_s: float = 0.5,
+                   on_measure: Callable[[], None] | None = None) -> tuple[Result, float]:
+    """Closed loop: ``concurrency`` workers, each sending back to back. Returns (result, seconds measured).
+
+    Several requests are sent in turn (one user turn after another under a shared system
+    prompt), so nothing keyed on a whole request can make a repeat cheaper than a real one.
+    ``on_measure`` is called when the warm-up ends (to start a CPU clock, say)."""
+    variants = [raw_request] if isinstance(raw_request, bytes) else list(raw_request)
+    turns = itertools.cycle(variants)
     result = Result()
     start = time.perf_counter()
     measure_from = start + warmup_s
@@ -91,7 +100,7 @@ async def run_load(host: str, port: int, raw_request: bytes, *, concurrency: int
                 if t0 >= stop_at:
                     return
                 try:
-                    status, ttfb, _ = await conn.post(raw_request)
+                    status, ttfb, _ = await conn.post(next(turns))
                 except (OSError, asyncio.IncompleteReadError, ValueError):
                     conn.close()
                     if t0 >= measure_from:
@@ -104,6 +113,8 @@ async def run_load(host: str, port: int, raw_request: bytes, *, concurrency: int
         finally:
             conn.close()
 
+    if on_measure is not None:
+        asyncio.get_running_loop().call_later(warmup_s, on_measure)
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return result, duration_s
 

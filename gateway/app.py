@@ -25,6 +25,7 @@ from .middleware import middleware_stack
 from .proxy import PATHS, ProxyEndpoint
 from .runtime import Runtime
 from .settings import Settings
+from .worker_info import WorkerInfo
 
 
 def _error_response(err: GatewayError, request: Request | None = None) -> Response:
@@ -58,7 +59,7 @@ def _routes(rt: Runtime) -> list[Route]:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(request: Request) -> Response:
-        return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await rt.metrics.render_async(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [
         Route("/v1/models", models, methods=["GET"]),
@@ -77,11 +78,11 @@ class KvgateApp:
     wrong method on a proxy route, and lifespan go to the Starlette app.
     """
 
-    def __init__(self, app: Starlette, endpoints: dict[str, ProxyEndpoint]) -> None:
+    def __init__(self, app: Starlette, endpoints: dict[str, ProxyEndpoint], worker: WorkerInfo | None = None) -> None:
         self.app = app
         self.state = app.state
         self.endpoints = endpoints
-        self.http = middleware_stack(self._dispatch)
+        self.http = middleware_stack(self._dispatch, worker=None if worker is None else worker.id)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -98,8 +99,8 @@ class KvgateApp:
 
 
 def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path: str | None = None,
-              transport: httpx.AsyncBaseTransport | None = None) -> KvgateApp:
-    rt = runtime or Runtime(settings, transport=transport, config_path=config_path)
+              transport: httpx.AsyncBaseTransport | None = None, worker: WorkerInfo | None = None) -> KvgateApp:
+    rt = runtime or Runtime(settings, transport=transport, config_path=config_path, worker=worker)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -115,7 +116,7 @@ def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path
     app = Starlette(routes=[*_routes(rt), *proxy_routes], lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception})
     app.state.runtime = rt
-    return KvgateApp(app, endpoints)
+    return KvgateApp(app, endpoints, worker)
 
 
 async def _method_not_allowed(request: Request) -> Response:

@@ -3,37 +3,69 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from . import logs
-from .settings import ConfigError, load_settings
+from .settings import ConfigError, Settings, load_settings
+from .worker_info import WorkerInfo
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .app import build_app
-    from .serve import make_server, run, run_servers
+    from .serve import run, run_servers
 
     try:
-        settings = load_settings(args.config)
+        settings = load_settings(args.config, overrides={"workers": args.workers} if args.workers is not None else None)
     except ConfigError as e:
         print(f"kvgate: {e}", file=sys.stderr)
         return 2
-    logs.configure(settings.log_level)
-    app = build_app(settings, config_path=args.config)
-    t = settings.timeouts
-    opts: dict[str, Any] = {"header_timeout_s": t.header_receive_s, "grace_s": settings.shutdown_grace_s}
-    servers = [make_server(app, settings.listen.host, settings.listen.port, **opts)]
-    admin = _admin_app(app)
-    if admin is not None and settings.admin.enabled:
-        servers.append(make_server(admin, settings.admin.host, settings.admin.port, lifespan="off", **opts))
+    logs.configure(settings.log_level, worker=args.worker_id)
+    if args.worker_id is None and settings.workers > 1:
+        from .workers import supervise
+
+        return supervise(settings, args.config, settings.workers)
+    worker = WorkerInfo(args.worker_id, settings.workers, Path(args.run_dir)) if args.worker_id is not None else None
+    app = build_app(settings, config_path=args.config, worker=worker)
     runtime = app.state.runtime
 
     def on_signal() -> None:
         runtime.shutting_down = True  # /readyz answers 503 from now on
 
-    run(run_servers(servers, on_signal=on_signal, delay_s=settings.shutdown_delay_s))
+    run(run_servers(_servers(app, settings, worker), on_signal=on_signal, delay_s=settings.shutdown_delay_s,
+                    parent_pid=os.getppid() if worker is not None else None))
     return 0
+
+
+def _servers(app: Any, settings: Settings, worker: WorkerInfo | None) -> list[Any]:
+    """The public listener, and the admin one. A worker of several binds the public port with
+    SO_REUSEPORT; worker 0 alone serves the admin port (one status page, one place an operator
+    acts) and passes each change on to the others, which serve the admin API on private sockets."""
+    from .serve import make_server, reuse_port_socket
+
+    t = settings.timeouts
+    opts: dict[str, Any] = {"header_timeout_s": t.header_receive_s, "grace_s": settings.shutdown_grace_s}
+    host, port = settings.listen.host, settings.listen.port
+    sock = reuse_port_socket(host, port) if worker is not None else None
+    servers = [make_server(app, host, port, sock=sock, **opts)]
+    admin = _admin_app(app)
+    if admin is None or not settings.admin.enabled:
+        return servers
+    host, port = settings.admin.host, settings.admin.port
+    if worker is None:
+        servers.append(make_server(admin, host, port, lifespan="off", **opts))
+    elif worker.id == 0:
+        from .admin_fanout import FanOut
+
+        fanout = FanOut(admin, worker.peer_admin_sockets(), tenants_shared=settings.redis_url is not None)
+        servers.append(make_server(fanout, host, port, lifespan="off", sock=reuse_port_socket(host, port), **opts))
+    else:
+        path = worker.admin_socket(worker.id)
+        path.unlink(missing_ok=True)  # left by a predecessor that died
+        servers.append(make_server(admin, host, port, lifespan="off", uds=str(path), **opts))
+    return servers
 
 
 def _admin_app(app: object) -> object | None:
@@ -63,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway from a YAML config (KVGATE_* variables override it)")
     serve.add_argument("--config", "-c", help="YAML config file (or KVGATE_CONFIG)")
+    serve.add_argument("--workers", type=int, help="worker processes on the one port (overrides workers:)")
+    # Set by the supervisor for the processes it starts; not for people.
+    serve.add_argument("--worker-id", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--run-dir", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
     demo = sub.add_parser("demo", help="kvgate in front of simulated vLLM replicas; no Redis, no GPU")
     demo.add_argument("--port", type=int, default=8080, help="public port (a free one if taken; 0: any)")

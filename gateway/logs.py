@@ -13,6 +13,10 @@ _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
@@ -20,6 +24,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self.worker is not None:  # one of several worker processes, which share the output
+            out["worker"] = self.worker
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 out[key] = value
@@ -28,9 +34,9 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out, default=str).decode()
 
 
-def configure(level: str = "info") -> None:
+def configure(level: str = "info", worker: int | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(worker))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -4,15 +4,26 @@ Replica gauges, the semantic cache's counters by reason and the routing
 policy's own counts are read at scrape time by collectors, from state that
 exists anyway, so the hot path only increments counters and observes
 histograms.
+
+With several workers (``gateway.workers``) every worker's counters and
+histograms live in prometheus_client's multiprocess files, and ``/metrics``,
+whichever worker answers it, sums them over all workers. In-flight requests
+are a ``livesum`` gauge each worker refreshes every second and at each scrape
+(a dead worker's leave the sum); what the replicas report about themselves
+(up, running, waiting, KV usage, hit ratio), the semantic cache's tallies and
+the policy's counts are the answering worker's own.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter as Tally
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from .pool import ReplicaPool
@@ -21,8 +32,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pool: Callable[[], ReplicaPool | None]) -> None:
+    def __init__(self, pool: Callable[[], ReplicaPool | None], in_flight: bool = True) -> None:
         self._pool = pool
+        self._in_flight = in_flight
 
     def collect(self) -> Iterator[Metric]:
         pool = self._pool()
@@ -47,7 +59,8 @@ class _PoolCollector(Collector):
                                    "vllm:prefix_cache_hits_total as scraped (tokens)", labels=["replica"])
         for r in pool.replicas.values():
             up.add_metric([r.name], 1.0 if r.available(now) else 0.0)
-            inflight.add_metric([r.name], r.in_flight)
+            if self._in_flight:
+                inflight.add_metric([r.name], r.in_flight)
             if r.running is not None:
                 running.add_metric([r.name], r.running)
             if r.waiting is not None:
@@ -59,7 +72,8 @@ class _PoolCollector(Collector):
             if r.prefix_queries is not None:
                 queries.add_metric([r.name], r.prefix_queries)
                 hits.add_metric([r.name], r.prefix_hits or 0.0)
-        yield from (up, inflight, running, waiting, kv, hit, queries, hits)
+        families = (up, inflight, running, waiting, kv, hit, queries, hits)
+        yield from (f for f in families if self._in_flight or f is not inflight)
 
 
 # The semantic cache's own tallies (``SemanticCache.counters``), by reason, as counters.
@@ -107,7 +121,9 @@ class _PolicyCollector(Collector):
 
 class Metrics:
     def __init__(self, pool: Callable[[], ReplicaPool | None] = lambda: None, *,
-                 cache: Callable[[], Any] = lambda: None, policy: Callable[[], Any] = lambda: None) -> None:
+                 cache: Callable[[], Any] = lambda: None, policy: Callable[[], Any] = lambda: None,
+                 multiprocess_dir: Path | None = None) -> None:
+        self._pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("kvgate_requests", "requests by endpoint, status and replica",
@@ -132,9 +148,51 @@ class Metrics:
                                ["tenant", "kind"], registry=r)
         self.rate_limited = Counter("kvgate_rate_limited", "requests refused by a tenant limit",
                                     ["tenant", "limit"], registry=r)
-        r.register(_PoolCollector(pool))
-        r.register(_CacheCollector(cache))
-        r.register(_PolicyCollector(policy))
+        self.multiprocess_dir = multiprocess_dir
+        scraped = (_CacheCollector(cache), _PolicyCollector(policy))
+        if multiprocess_dir is None:
+            for c in (_PoolCollector(pool), *scraped):
+                r.register(c)
+            return
+        if values.ValueClass is values.MutexValue:  # chosen once, when prometheus_client is imported
+            raise RuntimeError("a worker's metrics need PROMETHEUS_MULTIPROC_DIR set before it starts "
+                               "(the supervisor, gateway.workers, sets it)")
+        self.in_flight = Gauge("kvgate_replica_in_flight", "requests in flight from this instance",
+                               ["replica"], registry=None, multiprocess_mode="livesum")
+        self._in_flight_names: set[str] = set()
+        self._summed = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(self._summed, path=str(multiprocess_dir))
+        self._replica_facts = CollectorRegistry(auto_describe=False)
+        for c in (_PoolCollector(pool, in_flight=False), *scraped):
+            self._replica_facts.register(c)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        self.sync_in_flight()
+        return generate_latest(self._replica_facts) + generate_latest(self._summed)
+
+    async def render_async(self) -> bytes:
+        """As ``render``; the sum over workers reads every worker's files, so off the loop."""
+        if self.multiprocess_dir is None:
+            return self.render()
+        self.sync_in_flight()
+        facts = generate_latest(self._replica_facts)
+        return facts + await asyncio.to_thread(generate_latest, self._summed)
+
+    def sync_in_flight(self) -> None:
+        """Copy this worker's in-flight counts into its multiprocess gauge (workers only)."""
+        pool = self._pool()
+        if pool is None or self.multiprocess_dir is None:
+            return
+        names = set(pool.replicas)
+        for name in self._in_flight_names - names:  # removed: its series stays, at zero
+            self.in_flight.labels(name).set(0)
+        for name, replica in pool.replicas.items():
+            self.in_flight.labels(name).set(replica.in_flight)
+        self._in_flight_names = names
+
+    async def sync_loop(self, interval_s: float) -> None:
+        while True:
+            self.sync_in_flight()
+            await asyncio.sleep(interval_s)

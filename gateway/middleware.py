@@ -36,13 +36,15 @@ class HeaderLimits:
 
 
 class RequestId:
-    """Every response carries x-request-id: the client's if it is a short safe token, else ours.
+    """Every response carries x-request-id: the client's if it is a short safe token, else ours
+    (and ``extra``: the worker's number when there are several).
 
     The id is put in the scope so the proxy and its logs use the same one.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         self.app = app
+        self.extra = extra
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,13 +60,15 @@ class RequestId:
 
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), header]
+                message["headers"] = [*message.get("headers", ()), header, *self.extra]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
 
 
-def middleware_stack(app: Any) -> Any:
+def middleware_stack(app: Any, worker: int | None = None) -> Any:
     """The middleware around every HTTP request, outermost first. Kept tiny: anything
-    per-request beyond these lives in the proxy endpoint."""
-    return RequestId(HeaderLimits(app))
+    per-request beyond these lives in the proxy endpoint. A worker of several names itself
+    in x-kvgate-worker on every response, so a slow or failing one can be told apart."""
+    extra = () if worker is None else ((b"x-kvgate-worker", str(worker).encode()),)
+    return RequestId(HeaderLimits(app), extra)

@@ -28,6 +28,7 @@ from .stats import TenantStats
 from .tracing import Tracing
 from .trends import Trends
 from .transport import UPSTREAM_HEADERS, LeanTransport
+from .worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from semantic_cache import SemanticCache
@@ -55,15 +56,18 @@ def _redis(settings: Settings) -> redis_client.Client | None:
 
 class Runtime:
     def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None,
-                 config_path: str | Path | None = None, span_exporter: Any = None) -> None:
+                 config_path: str | Path | None = None, span_exporter: Any = None,
+                 worker: WorkerInfo | None = None) -> None:
         self.settings = settings
         self.config_path = config_path
+        self.worker = worker  # one of several worker processes (gateway.workers), or None
         # The network seam: one httpx transport. The hot path calls it directly (an
         # AsyncClient's cookie, auth and redirect machinery cost more than the
         # transport itself); health checks use a client built on the same transport.
         self.transport = transport or LeanTransport(max_idle_per_origin=settings.pool.max_connections)
         self.client = make_client(settings, self.transport)
-        self.metrics = Metrics(lambda: self.pool, cache=lambda: self.cache, policy=lambda: self.policy)
+        self.metrics = Metrics(lambda: self.pool, cache=lambda: self.cache, policy=lambda: self.policy,
+                               multiprocess_dir=worker.metrics_dir if worker else None)
         self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
                                 events=PoolEvents(on_eject=self._on_eject, on_failure=self._on_failure),
@@ -108,6 +112,8 @@ class Runtime:
             self.spawn(self._dns_loop())
         self._share_routing()
         self.spawn(self.trends.run())
+        if self.metrics.multiprocess_dir is not None:
+            self.spawn(self.metrics.sync_loop(1.0))
         await self.pool.start()
         self.started = True
 
@@ -264,7 +270,14 @@ class Runtime:
         tenants = [{**row, "warnings": warned.get(row["name"], 0)} for row in self.tenant_stats.rows()]
         return {"replicas": snapshot(self.pool), "tenants": tenants, "totals": self.tenant_stats.totals(),
                 "hygiene": report, "cache": self.cache_stats(), "routing": self.routing_stats(),
-                "ready": self.readiness()[1]}
+                "ready": self.readiness()[1], "workers": self.workers()}
+
+    def workers(self) -> dict[str, Any]:
+        """How many worker processes serve the port. The rest of the status is this worker's
+        own view (worker 0, which serves the admin port); /metrics sums over all of them."""
+        if self.worker is None:
+            return {"configured": 1, "running": 1, "this_worker": 0}
+        return {**self.worker.state(), "this_worker": self.worker.id}
 
     # -- readiness ----------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:

@@ -143,6 +143,9 @@ class Settings(_Section):
     # listeners close and streams in flight get up to shutdown_grace_s to finish.
     shutdown_delay_s: float = Field(5.0, ge=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
+    # Worker processes on the one listener (SO_REUSEPORT), each a full kvgate with its own
+    # routing state, supervised by a parent that restarts one that dies (gateway/workers.py).
+    workers: int = Field(1, ge=1, le=64)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "Settings":

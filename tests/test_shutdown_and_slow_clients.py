@@ -1,4 +1,4 @@
-"""Graceful shutdown, a rolling restart under load, and slowloris clients (real processes)."""
+"""Graceful shutdown, a rolling restart under load (one worker and two), and slowloris clients (real processes)."""
 
 from __future__ import annotations
 
@@ -60,10 +60,11 @@ def test_sigterm_turns_unready_at_once_and_lets_streams_finish(tmp_path: Path, s
         httpx.get(url + "/healthz", timeout=2)
 
 
-def test_rolling_restart_under_load_loses_nothing(tmp_path: Path, sim: str) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_rolling_restart_under_load_loses_nothing(tmp_path: Path, sim: str, workers: int) -> None:
     ports = [free_port(), free_port()]
-    procs: dict[int, subprocess.Popen[bytes]] = {p: start_kvgate(tmp_path, _config(p, sim), name=f"gw{p}")
-                                                 for p in ports}
+    procs: dict[int, subprocess.Popen[bytes]] = {p: start_kvgate(tmp_path, _config(p, sim, workers=workers),
+                                                                 name=f"gw{p}") for p in ports}
     ready = {p: True for p in ports}
     stop = threading.Event()
     outcomes: list[int] = []
@@ -101,7 +102,7 @@ def test_rolling_restart_under_load_loses_nothing(tmp_path: Path, sim: str) -> N
             time.sleep(1.0)
             procs[p].send_signal(signal.SIGTERM)
             assert procs[p].wait(30) == 0
-            procs[p] = start_kvgate(tmp_path, _config(p, sim), name=f"gw{p}-new")
+            procs[p] = start_kvgate(tmp_path, _config(p, sim, workers=workers), name=f"gw{p}-new")
         time.sleep(1.0)
     finally:
         stop.set()
