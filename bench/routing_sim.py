@@ -215,7 +215,6 @@ class _Fleet:
         inst = self.rng.randrange(len(self.policies))
         route = RouteRequest(req.endpoint, req.model, req.namespace, req.body(),
                              boundary_hint=req.headers.get("x-kvgate-cache-boundary"))
-        route.scratch["kv"] = req.kv_hashes  # DIAG-ONLY
         started = time.perf_counter()
         order = self.policies[inst].prefer(route, self.views[inst])
         self.stats.route_s += time.perf_counter() - started

@@ -138,7 +138,8 @@ def test_instances_that_share_nothing_agree_where_a_new_conversation_lives() -> 
     # it: both presume the key's home holds it, so both send it there.
     clock = Clock()  # a second between conversations: queues drain
     a, b = PrefixAffinity(clock=clock), PrefixAffinity(clock=clock)
-    replicas_a, replicas_b = fleet(), fleet()
+    # The replicas report traffic neither instance sent: each knows it is not alone.
+    replicas_a, replicas_b = ([View(f"r{i}", running=4.0, waiting=0.0) for i in range(8)] for _ in range(2))
     for c in range(1000, 1020):  # each instance sees the application's system prompt in every request
         served(a, conversation(c, 1, ORG), replicas_a)
         served(b, conversation(c, 1, ORG), replicas_b)
