@@ -37,12 +37,14 @@ _MIN_BLOCKS = 8
 
 
 class ChainCache:
-    __slots__ = ("_entries", "_capacity", "_held", "hits", "misses")
+    __slots__ = ("_entries", "_capacity", "_held", "calls", "hits", "misses")
 
     def __init__(self, capacity: int = 1 << 20) -> None:
         self._entries: OrderedDict[tuple[int, int, int], array] = OrderedDict()
         self._capacity = capacity
         self._held = 0
+        # Chains asked for (one per request analysed), and how many a stored prefix served.
+        self.calls = 0
         self.hits = 0
         self.misses = 0
 
@@ -51,6 +53,7 @@ class ChainCache:
 
     def chain(self, data: bytes, seed: int, block: int, max_blocks: int, spans: Sequence[Span]) -> list[int]:
         """``chain_hashes(data, seed, block, max_blocks)``, reusing a known prefix's chain."""
+        self.calls += 1
         n = min(len(data) // block, max_blocks)
         ends = sorted({min(e // block, n) for e in _boundaries(spans)}, reverse=True)
         ends = [e for e in ends if e >= _MIN_BLOCKS]
