@@ -191,6 +191,8 @@ class RunStats:
     # Max over decisions of the chosen replica's in-flight / load_bound, and how many decisions exceeded 1.
     max_bound_ratio: float = 0.0
     over_bound: int = 0
+    # Most requests in flight fleet-wide at once (a closed loop never passes its client count).
+    max_in_flight: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -300,6 +302,7 @@ class _Fleet:
         st = self.stats
         st.max_bound_ratio = max(st.max_bound_ratio, ratio)
         st.over_bound += ratio > 1
+        st.max_in_flight = max(st.max_in_flight, self.in_flight)
 
     def _publish(self, inst: int, now: float) -> None:
         gossip = getattr(self.policies[inst], "gossip", None)
