@@ -80,7 +80,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("orgs-poisson-0.85", replicas=8, seconds=30, load=0.85),
     Family("chat-closed32", replicas=8, seconds=60, clients=32, max_turns=(2, 6), output=(16, 200)),
     # Long answers keep a 10-minute run to a few thousand requests (the suite's time budget).
-    Family("mixed-poisson-10min", replicas=4, seconds=600, load=0.7, output=(200, 1000)),
+    Family("mixed-poisson-10min", replicas=4, seconds=600, load=0.7, output=(300, 1500)),
 )
 
 
