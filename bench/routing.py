@@ -59,6 +59,8 @@ from .workloads import ClosedLoop, Workload, mooncake, mtbench, shared_prefix, t
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data"
 
+# ``--set hot_fraction=0.5``: kvgate's own settings under test, for tuning runs.
+PA_SETTINGS = RoutingSettings()
 POLICIES: dict[str, PolicyFactory] = {
     "round_robin": lambda clock: RoundRobin(),
     "least_load": lambda clock: LeastLoad(),
@@ -69,8 +71,6 @@ POLICIES: dict[str, PolicyFactory] = {
     "prefix_affinity": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
     REFERENCE: lambda clock: BoundedReference(),
 }
-# ``--set hot_fraction=0.5``: kvgate's own settings under test, for tuning runs.
-PA_SETTINGS = RoutingSettings()
 # A fact published to a Redis stream reaches the other instances' blocking reads
 # about this much later (a loopback round trip and the publisher's batching).
 SHARE_DELAY_S = 0.05
@@ -160,16 +160,9 @@ def hash_cost_ms() -> float:
     return best * 1e3
 
 
-def closed_loop(args: argparse.Namespace) -> ClosedLoop | None:
-    if not args.clients:
-        return None
-    on, off = args.burst or (None, 0.0)
-    return ClosedLoop(args.clients, on, off)
-
-
 def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
     base = SimSettings(replicas=args.replicas, kv_tokens=args.kv_tokens or w.kv_tokens, seed=args.seed,
-                       closed_loop=closed_loop(args))
+                       closed_loop=ClosedLoop.of(args.clients, args.burst))
     if args.large_kv:
         base = replace(base, kv_tokens=1 << 40)
     ideal = ideal_hit_ratio(w)

@@ -143,32 +143,33 @@ def max_over_mean(counts: list[int]) -> float:
 
 
 def _start_gateways(policy: str, sims: list[Any], workdir: Path, args: argparse.Namespace,
-                    redis_url: str | None) -> list[Any]:
+                    redis_url: str | None, gws: list[Any]) -> None:
+    """Start ``args.instances`` gateways into ``gws`` (the caller kills whatever started, on failure too)."""
     if policy.startswith("smg:"):
-        return [start_smg(policy[4:], [s.url for s in sims], workdir) for _ in range(args.instances)]
+        for _ in range(args.instances):
+            gws.append(start_smg(policy[4:], [s.url for s in sims], workdir))
+        return
     routing: dict[str, Any] = {"policy": policy}
     extra: dict[str, Any] = {}
     if policy == SHARED:
         routing = {"policy": "prefix_affinity", "share_index": True}
         extra = {"redis_url": redis_url}
-    gws = []
     for i in range(args.instances):
         cfg = kvgate_config(free_port(), sims, routing=routing,
                             pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0}, **extra)
         (workdir / str(i)).mkdir(exist_ok=True)
         gws.append(start_kvgate(workdir / str(i), cfg))
-    return gws
 
 
 async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: Path,
                      args: argparse.Namespace, redis_url: str | None = None) -> dict[str, Any]:
     gws: list[Any] = []
     try:
-        gws = _start_gateways(policy, sims, workdir, args, redis_url)
+        _start_gateways(policy, sims, workdir, args, redis_url, gws)
         client, send = await _send_factory(gws, "sim-model")
         t0 = time.perf_counter()
         results = await replay(workload, send, speed=args.speed, max_concurrency=args.concurrency,
-                               closed_loop=closed_loop(args))
+                               closed_loop=ClosedLoop.of(args.clients, args.burst))
         wall = time.perf_counter() - t0
         await client.aclose()
         summary: dict[str, Any] = dict(summarise(results))
@@ -179,13 +180,6 @@ async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: 
     finally:
         for gw in gws:
             _kill(gw.proc)
-
-
-def closed_loop(args: argparse.Namespace) -> ClosedLoop | None:
-    if not args.clients:
-        return None
-    on, off = args.burst or (None, 0.0)
-    return ClosedLoop(args.clients, on, off)
 
 
 HEADER = (f"{'workload':<18}{'policy':<24}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"

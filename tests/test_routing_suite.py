@@ -70,6 +70,8 @@ def test_closed_loop_bursts_wait_for_the_next_window() -> None:
     assert [burst.next_start(t) for t in (0.0, 0.5, 1.0, 2.9, 3.2)] == [0.0, 0.5, 3.0, 3.0, 3.2]
     with pytest.raises(ValueError):
         ClosedLoop(0)
+    assert ClosedLoop.of(0, [1.0, 2.0]) is None and ClosedLoop.of(8) == ClosedLoop(8)
+    assert ClosedLoop.of(8, [1.0, 2.0]) == ClosedLoop(8, 1.0, 2.0)
 
 
 def _req(rid: int, arrival: float, after: int | None = None) -> Request:

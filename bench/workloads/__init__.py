@@ -62,6 +62,14 @@ class ClosedLoop:
         if self.on_s is not None and (self.on_s <= 0 or self.off_s < 0):
             raise ValueError("on_s must be > 0 and off_s >= 0")
 
+    @classmethod
+    def of(cls, clients: int, burst: Sequence[float] | None = None) -> "ClosedLoop | None":
+        """From command-line flags: ``--clients N`` (0: open loop) and ``--burst ON_S OFF_S``."""
+        if not clients:
+            return None
+        on, off = burst or (None, 0.0)
+        return cls(clients, on, off)
+
     def next_start(self, now: float) -> float:
         """The earliest time at or after ``now`` a client may send (the next burst, when between bursts)."""
         if self.on_s is None or self.off_s == 0:
