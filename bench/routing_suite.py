@@ -1,7 +1,7 @@
 """The generated routing suite: workloads nothing is tuned on, every policy, min / median / max over seeds.
 
-    .venv/bin/python -m bench.routing_suite            # 7 families x 3 seeds (about 10-15 min on 2 cores)
-    .venv/bin/python -m bench.routing_suite --quick    # 2 seeds, runs capped at 20 s of simulated time
+    .venv/bin/python -m bench.routing_suite            # 7 families x 3 seeds (8-16 min on 2 shared cores)
+    .venv/bin/python -m bench.routing_suite --quick    # 2 seeds, runs capped at 20 s simulated (about a minute)
     .venv/bin/python -m bench.routing_suite --families heavy4-closed8 --seeds 1 2 3 4 5 6
 
 For reporting only. ``bench.routing``'s workloads (twins, MT-bench, Mooncake,
