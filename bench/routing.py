@@ -2,6 +2,11 @@
 
     .venv/bin/python -m bench.routing            # full run (a few minutes on 2 cores)
     .venv/bin/python -m bench.routing --quick    # smoke test (seconds)
+    .venv/bin/python -m bench.routing --clients 8 --burst 1 2   # closed loop: 8 clients, in bursts
+
+These are the workloads kvgate is tuned on. ``bench.routing_suite`` runs a
+generated suite (``bench/workloads/generated.py``) that nothing is tuned on,
+for reporting only.
 
 One process, discrete-event (``bench.routing_sim``): N replicas with the
 simulator's own KV pool and timing model, finite KV pools (``--kv-tokens``,
@@ -11,8 +16,12 @@ engine work at the *ideal* hit ratio would keep ``--load`` of the fleet busy
 (a policy reusing less than ideal is busier than that, possibly overloaded).
 
 Printed per workload: fleet prefix-cache hit ratio (tokens), that as a
-fraction of the ideal (one infinite cache replaying the same requests),
-TTFT p50/p95, output throughput, max/mean time-averaged replica load, the
+fraction of the ideal (one infinite cache replaying the same requests) and
+of the bounded omniscient reference (``bench.routing_reference``: greedy
+longest cached prefix under the load cap ceil(1.25 x mean in-flight), reading
+the simulated pools), TTFT p50/p95, output throughput, max/mean time-averaged
+replica load, max/mean per-replica request counts over the run, the max over
+routing decisions of in-flight / that cap, the
 share of follow-up turns sent to the replica that served the previous turn,
 agreement between independent gateway instances, and the mean routing cost
 per request. Also: key movement when one of 8 replicas leaves. A PNG goes to
@@ -43,13 +52,16 @@ from routing.round_robin import RoundRobin
 from routing.base import RouteRequest
 
 from .routing_baselines import KubeAICHWBL, LLMDScorers, SGLangCacheAware
+from .routing_reference import REFERENCE, BoundedReference
 from .routing_report import Row, WorkloadReport, format_table, plot, write_json
 from .routing_sim import PolicyFactory, SimSettings, simulate
-from .workloads import Workload, mooncake, mtbench, shared_prefix, twin, unique
+from .workloads import ClosedLoop, Workload, mooncake, mtbench, shared_prefix, twin, unique
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data"
 
+# ``--set hot_fraction=0.5``: kvgate's own settings under test, for tuning runs.
+PA_SETTINGS = RoutingSettings()
 POLICIES: dict[str, PolicyFactory] = {
     "round_robin": lambda clock: RoundRobin(),
     "least_load": lambda clock: LeastLoad(),
@@ -59,9 +71,8 @@ POLICIES: dict[str, PolicyFactory] = {
     "kubeai_chwbl": lambda clock: KubeAICHWBL(),
     "prefix_affinity": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
     "cost": lambda clock: CostModel(PA_SETTINGS, clock),
+    REFERENCE: lambda clock: BoundedReference(),
 }
-# ``--set hot_fraction=0.5``: kvgate's own settings under test, for tuning runs.
-PA_SETTINGS = RoutingSettings()
 # A fact published to a Redis stream reaches the other instances' blocking reads
 # about this much later (a loopback round trip and the publisher's batching).
 SHARE_DELAY_S = 0.05
@@ -152,31 +163,36 @@ def hash_cost_ms() -> float:
 
 
 def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
-    base = SimSettings(replicas=args.replicas, kv_tokens=args.kv_tokens or w.kv_tokens, seed=args.seed)
+    base = SimSettings(replicas=args.replicas, kv_tokens=args.kv_tokens or w.kv_tokens, seed=args.seed,
+                       closed_loop=ClosedLoop.of(args.clients, args.burst))
     if args.large_kv:
         base = replace(base, kv_tokens=1 << 40)
     ideal = ideal_hit_ratio(w)
     rate = calibrate(w, ideal, base, args.load)
     rep = WorkloadReport(w.name, w.description, ideal, rate)
+    if base.closed_loop is not None:
+        rep.description += f"; {base.closed_loop.label()}"
+    reference = simulate(w, POLICIES[REFERENCE], base)
+    rep.reference = reference.hit_ratio
     for name in args.policies:
-        stats = simulate(w, POLICIES[name], base)
-        rep.rows.append(Row(name, stats, ideal))
+        stats = reference if name == REFERENCE else simulate(w, POLICIES[name], base)
+        rep.rows.append(Row(name, stats, ideal, rep.reference))
         _progress(w.name, name, stats)
     for name in (p for p in MULTI if p in args.policies and args.instances > 1):
         stats = simulate(w, POLICIES[name], replace(base, instances=args.instances,
                                                      agreement=name == "prefix_affinity"))
-        rep.rows.append(Row(f"{name} x{args.instances}", stats, ideal))
+        rep.rows.append(Row(f"{name} x{args.instances}", stats, ideal, rep.reference))
         _progress(w.name, f"{name} x{args.instances}", stats)
     if "prefix_affinity" in args.policies and args.instances > 1:
         # The same instances sharing what they learn through Redis (routing.share_index).
         shared = PA_SETTINGS.model_copy(update={"share_index": True})
         stats = simulate(w, lambda clock: PrefixAffinity(shared, clock),
                          replace(base, instances=args.instances, agreement=True, share_s=SHARE_DELAY_S))
-        rep.rows.append(Row(f"prefix_affinity x{args.instances}, shared index", stats, ideal))
+        rep.rows.append(Row(f"prefix_affinity x{args.instances}, shared index", stats, ideal, rep.reference))
         _progress(w.name, f"prefix_affinity x{args.instances} shared index", stats)
     if "prefix_affinity" in args.policies and not args.large_kv:
         stats = simulate(w, POLICIES["prefix_affinity"], replace(base, kv_tokens=1 << 40))
-        rep.rows.append(Row("prefix_affinity, large KV", stats, ideal))
+        rep.rows.append(Row("prefix_affinity, large KV", stats, ideal, rep.reference))
         _progress(w.name, "prefix_affinity large KV", stats)
     rep.notes.append(movement_note(w, 8))
     return rep
@@ -196,6 +212,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--instances", type=int, default=4, help="gateway instances for the multi-instance rows")
     p.add_argument("--load", type=float, default=0.7, help="fleet utilisation at the ideal hit ratio")
+    p.add_argument("--clients", type=int, default=0,
+                   help="closed loop: this many clients, each sending its next request when the last completes")
+    p.add_argument("--burst", type=float, nargs=2, metavar=("ON_S", "OFF_S"), default=None,
+                   help="with --clients: send only during ON_S of every ON_S + OFF_S seconds")
     p.add_argument("--kv-tokens", type=int, default=0, help="KV pool per replica in tokens (default 1Mi)")
     p.add_argument("--large-kv", action="store_true", help="KV pools large enough never to evict")
     p.add_argument("--mooncake-minutes", type=float, default=10.0, help="trace prefix to replay")

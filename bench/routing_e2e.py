@@ -17,12 +17,29 @@ With ``--instances N`` every policy runs as N kvgate processes (clients spread
 over them at random, as a Service does), and ``prefix_affinity+shared`` is
 added: the same with ``routing.share_index`` through a Redis (``--redis-url``,
 else a private ``redis-server`` started for the run).
+
+The real SGLang model gateway runs over the same replicas as rows
+``smg:cache_aware``, ``smg:round_robin`` and ``smg:prefix_hash`` (``bench.smg``;
+``pip install smg``, in the ``bench`` extra; left out with a note if it is
+not installed):
+
+    python -m bench.routing_e2e --workloads heavy_orgs heavy_orgs_burst \
+        --policies round_robin least_load prefix_affinity smg:cache_aware smg:round_robin
+
+``heavy_orgs`` is the generated suite's ``heavy4-closed8`` family (as many
+heavy organisations as replicas, 8 closed-loop clients, a few hundred
+requests), ``heavy_orgs_burst`` its ``heavy4-burst16`` (16 clients in bursts
+of 1 s every 3 s); ``--seed`` picks the draw. ``--clients N`` (and
+``--burst ON OFF``) replays any workload closed loop instead. Besides hit
+ratio and TTFT the table shows max/mean per-replica request counts over the
+run (each replica's own count of the requests it served).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import shutil
 import tempfile
@@ -33,16 +50,26 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.chaos_fleet import Kvgate, RedisProc, _kill, free_port, kvgate_config, start_kvgate, start_sims
+from bench.chaos_fleet import RedisProc, _kill, free_port, kvgate_config, start_kvgate, start_sims
 from bench.routing_replay import Usage, replay, summarise
-from bench.workloads import Request, Workload
+from bench.smg import SMG_POLICIES, smg_binary, start_smg
+from bench.workloads import ClosedLoop, Request, Workload
 from gateway.pool import parse_vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix_affinity"]
+POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix_affinity",
+            *(f"smg:{p}" for p in SMG_POLICIES)]
+WORKLOADS = ["shared_prefix", "mtbench", "unique", "heavy_orgs", "heavy_orgs_burst"]
+GENERATED = {"heavy_orgs": "heavy4-closed8", "heavy_orgs_burst": "heavy4-burst16"}
 
 
 def build(name: str, args: argparse.Namespace) -> Workload:
+    if name in GENERATED:
+        from bench.workloads.generated import FAMILIES
+        from bench.workloads.generated import build as generated
+
+        family = next(f for f in FAMILIES if f.name == GENERATED[name])
+        return generated(family, args.seed, args.requests)
     if name == "shared_prefix":
         from bench.workloads.shared_prefix import build as shared
 
@@ -60,7 +87,7 @@ def build(name: str, args: argparse.Namespace) -> Workload:
 SHARED = "prefix_affinity+shared"
 
 
-async def _send_factory(gws: list[Kvgate], model: str, seed: int = 7) -> Any:
+async def _send_factory(gws: list[Any], model: str, seed: int = 7) -> Any:
     client = httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=256))
     pick = random.Random(seed)
 
@@ -105,39 +132,78 @@ def reset(sims: list[Any]) -> None:
         httpx.post(s.url + "/sim/reset", timeout=5).raise_for_status()
 
 
-async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: Path,
-                     args: argparse.Namespace, redis_url: str | None = None) -> dict[str, Any]:
+def request_counts(sims: list[Any]) -> list[int]:
+    """Requests each replica's engine took since the last reset (its own count)."""
+    return [int(httpx.get(s.url + "/sim/stats", timeout=5).json()["engine_requests"]) for s in sims]
+
+
+def max_over_mean(counts: list[int]) -> float:
+    mean = sum(counts) / len(counts) if counts else 0.0
+    return max(counts) / mean if mean else float("nan")
+
+
+def _start_gateways(policy: str, sims: list[Any], workdir: Path, args: argparse.Namespace,
+                    redis_url: str | None, gws: list[Any]) -> None:
+    """Start ``args.instances`` gateways into ``gws`` (the caller kills whatever started, on failure too)."""
+    if policy.startswith("smg:"):
+        for _ in range(args.instances):
+            gws.append(start_smg(policy[4:], [s.url for s in sims], workdir))
+        return
     routing: dict[str, Any] = {"policy": policy}
     extra: dict[str, Any] = {}
     if policy == SHARED:
         routing = {"policy": "prefix_affinity", "share_index": True}
         extra = {"redis_url": redis_url}
-    gws: list[Kvgate] = []
+    for i in range(args.instances):
+        cfg = kvgate_config(free_port(), sims, routing=routing,
+                            pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0}, **extra)
+        (workdir / str(i)).mkdir(exist_ok=True)
+        gws.append(start_kvgate(workdir / str(i), cfg))
+
+
+async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: Path,
+                     args: argparse.Namespace, redis_url: str | None = None) -> dict[str, Any]:
+    gws: list[Any] = []
     try:
-        for i in range(args.instances):
-            cfg = kvgate_config(free_port(), sims, routing=routing,
-                                pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0}, **extra)
-            (workdir / str(i)).mkdir(exist_ok=True)
-            gws.append(start_kvgate(workdir / str(i), cfg))
+        _start_gateways(policy, sims, workdir, args, redis_url, gws)
         client, send = await _send_factory(gws, "sim-model")
         t0 = time.perf_counter()
-        results = await replay(workload, send, speed=args.speed, max_concurrency=args.concurrency)
+        results = await replay(workload, send, speed=args.speed, max_concurrency=args.concurrency,
+                               closed_loop=ClosedLoop.of(args.clients, args.burst))
         wall = time.perf_counter() - t0
         await client.aclose()
-        summary = summarise(results)
-        summary.update(policy=policy, fleet_hit_ratio=_fleet_ratio([s.url for s in sims]), wall_s=wall)
+        summary: dict[str, Any] = dict(summarise(results))
+        counts = request_counts(sims)
+        summary.update(policy=policy, fleet_hit_ratio=_fleet_ratio([s.url for s in sims]), wall_s=wall,
+                       requests_per_replica=counts, max_over_mean_requests=max_over_mean(counts))
         return summary
     finally:
         for gw in gws:
             _kill(gw.proc)
 
 
+HEADER = (f"{'workload':<18}{'policy':<24}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
+          f"{'ttft p50':>10}{'ttft p95':>10}{'req max/mean':>14}  {'requests per replica':<22}{'errors':>7}")
+
+
+def _row(name: str, r: dict[str, Any]) -> str:
+    counts = "/".join(str(c) for c in r["requests_per_replica"])
+    return (f"{name:<18}{r['policy']:<24}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
+            f"{r['ttft_p50_s'] * 1000:>8.0f}ms{r['ttft_p95_s'] * 1000:>8.0f}ms{r['max_over_mean_requests']:>14.2f}"
+            f"  {counts:<22}{r['errors']:>7}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
-    p.add_argument("--workloads", nargs="+", default=["shared_prefix", "mtbench"],
-                   choices=["shared_prefix", "mtbench", "unique"])
+    p.add_argument("--workloads", nargs="+", default=["shared_prefix", "mtbench"], choices=WORKLOADS)
     p.add_argument("--policies", nargs="+", default=POLICIES)
+    p.add_argument("--seed", type=int, default=1, help="the draw of the generated heavy_orgs workloads")
+    p.add_argument("--clients", type=int, default=0,
+                   help="replay closed loop: this many clients, each sending its next request when the last completes")
+    p.add_argument("--burst", type=float, nargs=2, metavar=("ON_S", "OFF_S"), default=None,
+                   help="with --clients: send only during ON_S of every ON_S + OFF_S seconds")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="routing_e2e.json goes here")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--requests", type=int, default=320)
     p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (before --speed)")
@@ -147,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instances", type=int, default=1, help="kvgate processes (requests spread at random)")
     p.add_argument("--redis-url", default=None, help=f"Redis for {SHARED} (default: a private redis-server)")
     args = p.parse_args(argv)
+    if smg_binary() is None and any(x.startswith("smg:") for x in args.policies):
+        print("smg not installed (pip install smg, the bench extra): its rows are left out", flush=True)
+        args.policies = [x for x in args.policies if not x.startswith("smg:")]
     redis: RedisProc | None = None
     if args.instances > 1 and "prefix_affinity" in args.policies and SHARED not in args.policies:
         args.policies.append(SHARED)
@@ -157,16 +226,18 @@ def main(argv: list[str] | None = None) -> int:
         "kv_blocks": args.kv_blocks, "prefill_s_per_token": 0.00005,
         "decode_base_s": 0.005, "max_num_seqs": 16})
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-route-e2e-"))
+    out: list[dict[str, Any]] = []
     try:
-        print(f"{'workload':<14}{'policy':<24}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
-              f"{'ttft p50':>10}{'ttft p95':>10}{'errors':>8}")
+        print(HEADER)
         for name in args.workloads:
             workload = build(name, args)
             for policy in args.policies:
                 reset(sims)
                 r = asyncio.run(run_policy(policy, workload, sims, workdir, args, args.redis_url))
-                print(f"{name:<14}{policy:<24}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
-                      f"{r['ttft_p50_s'] * 1000:>8.0f}ms{r['ttft_p95_s'] * 1000:>8.0f}ms{r['errors']:>8}", flush=True)
+                print(_row(name, r), flush=True)
+                out.append({"workload": name, "description": workload.description, **r})
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "routing_e2e.json").write_text(json.dumps(out, indent=1))
     finally:
         for s in sims:
             s.kill()

@@ -14,16 +14,23 @@ pointed at a running kvgate in front of ``vllm_sim`` processes:
 Absolute arrivals are honoured (divided by ``speed``); a closed-loop follow-up
 is sent ``arrival / speed`` seconds after the request it follows completes. A
 failed request is recorded, and its follow-ups are still sent.
+
+With a ``ClosedLoop`` (``closed_loop=``, else the workload's own) a fixed
+number of client tasks replay the conversations instead, as the simulator
+does: each sends its next request as soon as the previous one completes
+(burst windows scaled by ``speed`` too), and arrivals and think times are
+ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from .workloads import Request, Workload
+from .workloads import ClosedLoop, Request, Workload, chains
 
 __all__ = ["Usage", "Result", "replay", "summarise"]
 
@@ -45,9 +52,25 @@ class Result:
     error: str | None = None
 
 
-async def replay(workload: Workload, send: Callable[[Request], Awaitable[Usage]], speed: float = 1.0,
-                 max_concurrency: int = 1024) -> list[Result]:
+Send = Callable[[Request], Awaitable[Usage]]
+
+
+async def _send(req: Request, send: Send, t0: float) -> Result:
+    started = time.perf_counter() - t0
+    usage, error = None, None
+    try:
+        usage = await send(req)
+    except Exception as e:  # a failed request is a result, not the end of the replay
+        error = f"{type(e).__name__}: {e}"
+    return Result(req.rid, started, time.perf_counter() - t0, usage, error)
+
+
+async def replay(workload: Workload, send: Send, speed: float = 1.0, max_concurrency: int = 1024,
+                 closed_loop: ClosedLoop | None = None) -> list[Result]:
     """Send every request of ``workload``; return one ``Result`` per request, in rid order."""
+    loop = closed_loop or workload.closed_loop
+    if loop is not None:
+        return await _replay_closed(workload, send, loop, speed)
     followers: dict[int, list[Request]] = {}
     roots: list[Request] = []
     for r in workload.requests:
@@ -65,21 +88,30 @@ async def replay(workload: Workload, send: Callable[[Request], Awaitable[Usage]]
     async def one(req: Request, at: float) -> None:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
         async with gate:
-            started = time.perf_counter() - t0
-            usage, error = None, None
-            try:
-                usage = await send(req)
-            except Exception as e:  # a failed request is a result, not the end of the replay
-                error = f"{type(e).__name__}: {e}"
-            finished = time.perf_counter() - t0
-        results[req.rid] = Result(req.rid, started, finished, usage, error)
+            result = results[req.rid] = await _send(req, send, t0)
         for nxt in followers.pop(req.rid, ()):
-            spawn(nxt, finished + nxt.arrival / speed)
+            spawn(nxt, result.finished + nxt.arrival / speed)
 
     for req in roots:
         spawn(req, req.arrival / speed)
     while tasks:
         await asyncio.gather(*list(tasks))
+    return [results[rid] for rid in sorted(results)]
+
+
+async def _replay_closed(workload: Workload, send: Send, loop: ClosedLoop, speed: float) -> list[Result]:
+    conversations = deque(chains(workload))
+    results: dict[int, Result] = {}
+    t0 = time.perf_counter()
+
+    async def client() -> None:
+        while conversations:
+            for req in conversations.popleft():
+                now = time.perf_counter() - t0
+                await asyncio.sleep(max(0.0, loop.next_start(now * speed) / speed - now))
+                results[req.rid] = await _send(req, send, t0)
+
+    await asyncio.gather(*(client() for _ in range(loop.clients)))
     return [results[rid] for rid in sorted(results)]
 
 

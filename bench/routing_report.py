@@ -1,4 +1,12 @@
-"""Tables and the plot for ``bench/routing.py`` (formatting only; no simulation here)."""
+"""Tables and the plot for ``bench/routing.py`` (formatting only; no simulation here).
+
+Columns: ``%ideal`` is the hit ratio over one infinite cache's; ``%ref`` over
+the bounded omniscient reference's (``bench.routing_reference``: the reuse
+available under the same load cap); ``max/mean`` is time-averaged replica
+load; ``req m/m`` max/mean per-replica request counts over the run;
+``if/bound`` the max over decisions of the chosen replica's in-flight over
+the bounded-loads cap (above 1: the cap was broken at least once).
+"""
 
 from __future__ import annotations
 
@@ -17,14 +25,20 @@ class Row:
     label: str
     stats: RunStats
     ideal: float
+    reference: float | None = None  # the bounded reference's hit ratio on the same replay
+
+    @property
+    def of_reference(self) -> float:
+        return self.stats.hit_ratio / self.reference if self.reference else float("nan")
 
     def cells(self) -> list[str]:
         s = self.stats
         pct = s.hit_ratio / self.ideal if self.ideal else float("nan")
         return [
-            self.label, str(s.instances), f"{s.hit_ratio:.3f}", _pct(pct),
+            self.label, str(s.instances), f"{s.hit_ratio:.3f}", _pct(pct), _pct(self.of_reference),
             _secs(s.ttft(0.5)), _secs(s.ttft(0.95)), f"{s.throughput:,.0f}",
-            _num(s.max_over_mean_load), _pct(s.warm_share), _pct(s.agreement), _num(s.route_us, 0),
+            _num(s.max_over_mean_load), _num(s.max_over_mean_requests), _num(s.max_bound_ratio),
+            _pct(s.warm_share), _pct(s.agreement), _num(s.route_us, 0),
         ]
 
 
@@ -35,11 +49,12 @@ class WorkloadReport:
     ideal: float
     rate: float
     rows: list[Row] = field(default_factory=list)
+    reference: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
-HEADER = ["policy", "inst", "hit", "%ideal", "TTFT p50", "TTFT p95", "out tok/s", "max/mean",
-          "warm f/u", "agree", "route us"]
+HEADER = ["policy", "inst", "hit", "%ideal", "%ref", "TTFT p50", "TTFT p95", "out tok/s", "max/mean",
+          "req m/m", "if/bound", "warm f/u", "agree", "route us"]
 
 
 def _pct(x: float) -> str:
@@ -60,7 +75,8 @@ def format_table(reports: list[WorkloadReport]) -> str:
     lines: list[str] = []
     for rep in reports:
         lines.append(f"\n## {rep.name}: {rep.description}")
-        lines.append(f"ideal hit ratio (one infinite cache) {rep.ideal:.3f}; arrival rate {rep.rate:.2f} req/s")
+        ref = f"; bounded reference {rep.reference:.3f}" if rep.reference is not None else ""
+        lines.append(f"ideal hit ratio (one infinite cache) {rep.ideal:.3f}{ref}; arrival rate {rep.rate:.2f} req/s")
         table = [HEADER] + [row.cells() for row in rep.rows]
         widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
         for k, r in enumerate(table):
@@ -80,12 +96,17 @@ def write_json(reports: list[WorkloadReport], path: Path) -> None:
             rows.append({
                 "label": row.label, "instances": s.instances, "hit_ratio": s.hit_ratio,
                 "fraction_of_ideal": s.hit_ratio / rep.ideal if rep.ideal else None,
+                "fraction_of_reference": _nan_none(row.of_reference),
                 "ttft_p50_s": s.ttft(0.5), "ttft_p95_s": s.ttft(0.95), "throughput_tok_s": s.throughput,
                 "max_over_mean_load": s.max_over_mean_load, "warm_follow_up_share": _nan_none(s.warm_share),
                 "agreement": _nan_none(s.agreement), "route_us": _nan_none(s.route_us),
+                "requests_per_replica": s.requests_per_replica,
+                "max_over_mean_requests": _nan_none(s.max_over_mean_requests),
+                "max_in_flight_over_bound": s.max_bound_ratio, "decisions_over_bound": s.over_bound,
                 "dropped": s.dropped, "wall_s": s.wall_s,
             })
         out.append({"workload": rep.name, "description": rep.description, "ideal": rep.ideal,
+                    "reference": rep.reference,
                     "rate": rep.rate, "rows": rows, "notes": rep.notes})
     path.write_text(json.dumps(out, indent=1))
 

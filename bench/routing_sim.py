@@ -17,11 +17,27 @@ shared by all instances, as ``gateway.pool`` does. A request picks an instance
 uniformly at random (clients spread over gateway pods by a Service), is routed
 to the first replica of its preference order, and on completion its instance
 calls ``observe`` with the engine's real ``cached_tokens``.
+
+A policy with a ``choose_sim(request, engines, views)`` method is an oracle
+(``bench.routing_reference``): it is given the replicas themselves (their KV
+pools and queues) instead of only what a gateway sees.
+
+Arrivals are the workload's own (open loop, and closed-loop follow-up turns),
+or a fixed number of closed-loop clients (``SimSettings.closed_loop``, else
+the workload's ``closed_loop``; see ``bench.workloads.ClosedLoop``).
+
+Besides hit ratio and TTFT, every run records how evenly requests were spread:
+per-replica request counts over the whole run, and at every routing decision
+the chosen replica's in-flight (this request included) against the bounded-
+loads cap ``ceil((1+eps) x mean in-flight)``, the mean taken over the fleet's
+in-flight including this request (``load_bound``). ``max_bound_ratio`` above
+1 means some replica took a request past that cap.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import time
 from collections import deque
@@ -32,9 +48,9 @@ from routing.base import RouteFeedback, RouteRequest, RoutingPolicy
 from vllm_sim.kv import Allocation, KVPool
 from vllm_sim.timing import TimingModel
 
-from .workloads import Request, Workload
+from .workloads import ClosedLoop, Request, Workload, chains
 
-__all__ = ["SimSettings", "SimView", "RunStats", "PolicyFactory", "simulate"]
+__all__ = ["SimSettings", "SimView", "RunStats", "PolicyFactory", "simulate", "load_bound"]
 
 _ARRIVE, _STEP, _SCRAPE, _GOSSIP = 0, 1, 2, 3
 
@@ -54,6 +70,25 @@ class SimSettings:
     # Instances share what they learn (routing.share_index): each fact reaches the
     # others this many seconds later (a Redis stream's round trip), None: off.
     share_s: float | None = None
+    # Replay by this many closed-loop clients (None: the workload's own arrivals, or its closed_loop).
+    closed_loop: ClosedLoop | None = None
+    # The epsilon of the bounded-loads cap every decision is measured against.
+    bound_epsilon: float = 0.25
+
+
+def load_bound(in_flight: int, replicas: int, epsilon: float = 0.25) -> int:
+    """The bounded-loads cap: ceil((1+eps) x in_flight / replicas), ``in_flight`` counting the new request.
+
+    (Mirrokni et al., consistent hashing with bounded loads.) The least-loaded
+    replica always fits under it, so a policy can always keep to it. Computed
+    in integers where eps is a multiple of 1/100, so 1.25 x 8 / 4 is exactly 3.
+    """
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    scaled = round((1 + epsilon) * 100)
+    if abs(scaled - (1 + epsilon) * 100) < 1e-9:
+        return max(1, -(-scaled * in_flight // (100 * replicas)))
+    return max(1, math.ceil((1 + epsilon) * in_flight / replicas))
 
 
 @dataclass(eq=False, slots=True)
@@ -97,6 +132,7 @@ class SimEngine:
         self.last = 0.0
         self.load_area = 0.0
         self.busy = 0.0
+        self.requests = 0
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.prefill)
@@ -150,6 +186,13 @@ class RunStats:
     routed: int = 0
     dropped: int = 0
     wall_s: float = 0.0
+    # Requests each replica took over the run.
+    requests_per_replica: list[int] = field(default_factory=list)
+    # Max over decisions of the chosen replica's in-flight / load_bound, and how many decisions exceeded 1.
+    max_bound_ratio: float = 0.0
+    over_bound: int = 0
+    # Most requests in flight fleet-wide at once (a closed loop never passes its client count).
+    max_in_flight: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -165,6 +208,12 @@ class RunStats:
     def max_over_mean_load(self) -> float:
         mean = sum(self.loads) / len(self.loads) if self.loads else 0.0
         return max(self.loads) / mean if mean else float("nan")
+
+    @property
+    def max_over_mean_requests(self) -> float:
+        counts = self.requests_per_replica
+        mean = sum(counts) / len(counts) if counts else 0.0
+        return max(counts) / mean if mean else float("nan")
 
     @property
     def throughput(self) -> float:
@@ -205,6 +254,10 @@ class _Fleet:
         self.followers: dict[int, list[Request]] = {}
         self.stats = RunStats(self.policies[0].name, workload.name, len(self.policies))
         self.outstanding = 0
+        self.in_flight = 0  # requests routed and not yet completed, fleet-wide
+        self.closed = settings.closed_loop or workload.closed_loop
+        self.conversations: deque[list[Request]] = deque()
+        self.client_of: dict[int, deque[Request]] = {}  # rid -> the rest of its client's conversation
 
     def push(self, t: float, kind: int, obj: object, version: int = 0) -> None:
         self.seq += 1
@@ -215,11 +268,17 @@ class _Fleet:
         inst = self.rng.randrange(len(self.policies))
         route = RouteRequest(req.endpoint, req.model, req.namespace, req.body(),
                              boundary_hint=req.headers.get("x-kvgate-cache-boundary"))
+        policy = self.policies[inst]
+        oracle = getattr(policy, "choose_sim", None)
         started = time.perf_counter()
-        order = self.policies[inst].prefer(route, self.views[inst])
+        if oracle is not None:
+            order = oracle(req, self.engines, self.views[inst])
+        else:
+            order = policy.prefer(route, self.views[inst])
         self.stats.route_s += time.perf_counter() - started
         self.stats.routed += 1
         name = order[0].name
+        self._account(self.by_name[name])
         if self.s.agreement and len(self.policies) > 1:
             self._agreement(route, name)
         self.view_of[inst][name].in_flight += 1
@@ -233,6 +292,17 @@ class _Fleet:
         engine.advance(now)
         engine.waiting.append(_Job(req, route, inst, engine, now))
         self.kick(engine, now)
+
+    def _account(self, chosen: SimEngine) -> None:
+        """Request counts, and the chosen replica's in-flight against the bounded-loads cap."""
+        self.in_flight += 1
+        chosen.requests += 1
+        bound = load_bound(self.in_flight, len(self.engines), self.s.bound_epsilon)
+        ratio = (chosen.load() + 1) / bound
+        st = self.stats
+        st.max_bound_ratio = max(st.max_bound_ratio, ratio)
+        st.over_bound += ratio > 1
+        st.max_in_flight = max(st.max_in_flight, self.in_flight)
 
     def _publish(self, inst: int, now: float) -> None:
         gossip = getattr(self.policies[inst], "gossip", None)
@@ -304,16 +374,32 @@ class _Fleet:
         st.output_tokens += req.output_tokens
         st.ttfts.append(job.ttft)
         st.makespan = max(st.makespan, now)
-        self.outstanding -= 1
-        for nxt in self.followers.pop(req.rid, ()):
-            self.push(now + nxt.arrival, _ARRIVE, nxt)
+        self._done(req, now)
 
     def _drop(self, job: _Job, now: float) -> None:
         self.stats.dropped += 1
         self.view_of[job.instance][job.engine.name].in_flight -= 1
+        self._done(job.req, now)
+
+    def _done(self, req: Request, now: float) -> None:
         self.outstanding -= 1
-        for nxt in self.followers.pop(job.req.rid, ()):
+        self.in_flight -= 1
+        if self.closed is not None:
+            self._client_next(self.client_of.pop(req.rid, None), now)
+            return
+        for nxt in self.followers.pop(req.rid, ()):
             self.push(now + nxt.arrival, _ARRIVE, nxt)
+
+    def _client_next(self, rest: deque[Request] | None, now: float) -> None:
+        """A closed-loop client sends its conversation's next turn, else starts the next conversation."""
+        assert self.closed is not None
+        if not rest:
+            if not self.conversations:
+                return  # this client is done
+            rest = deque(self.conversations.popleft())
+        nxt = rest.popleft()
+        self.client_of[nxt.rid] = rest
+        self.push(self.closed.next_start(now), _ARRIVE, nxt)
 
     def scrape(self) -> None:
         for e in self.engines:
@@ -325,11 +411,16 @@ class _Fleet:
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> RunStats:
-        for req in self.w.requests:
-            if req.after is None:
-                self.push(req.arrival, _ARRIVE, req)
-            else:
-                self.followers.setdefault(req.after, []).append(req)
+        if self.closed is not None:
+            self.conversations = deque(chains(self.w))
+            for _ in range(self.closed.clients):
+                self._client_next(None, 0.0)
+        else:
+            for req in self.w.requests:
+                if req.after is None:
+                    self.push(req.arrival, _ARRIVE, req)
+                else:
+                    self.followers.setdefault(req.after, []).append(req)
         self.outstanding = len(self.w.requests)
         self.push(0.0, _SCRAPE, None)
         while self.events and self.outstanding > 0:
@@ -348,6 +439,7 @@ class _Fleet:
             e.advance(self.stats.makespan)
             self.stats.loads.append(e.load_area / self.stats.makespan if self.stats.makespan else 0.0)
             self.stats.busy.append(e.busy / self.stats.makespan if self.stats.makespan else 0.0)
+            self.stats.requests_per_replica.append(e.requests)
         return self.stats
 
 

@@ -9,14 +9,23 @@ identical engine-side work).
 Arrivals are absolute (``arrival`` seconds) or closed-loop: a follow-up turn
 with ``after`` set arrives ``arrival`` seconds after that request completes,
 as a person reads the answer before typing the next turn.
+
+A workload can instead be replayed by a fixed number of clients
+(``ClosedLoop``): each client takes the next conversation (``chains``), sends
+its turns one after another, each as soon as the previous one completes, then
+takes the next conversation; absolute arrivals and think times are ignored.
+With ``on_s`` set the clients work in bursts: they send only during the first
+``on_s`` of every ``on_s + off_s`` seconds, so every burst starts with all of
+them at once. The simulator and ``bench.routing_replay`` both replay it so.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["Request", "Workload", "Interner"]
+__all__ = ["Request", "Workload", "Interner", "ClosedLoop", "chains"]
 
 
 @dataclass(slots=True)
@@ -39,6 +48,41 @@ class Request:
         return self.build()
 
 
+@dataclass(frozen=True, slots=True)
+class ClosedLoop:
+    """``clients`` concurrent clients, each sending its next request when the previous one completes."""
+
+    clients: int
+    on_s: float | None = None  # bursts: send only during the first on_s of every on_s + off_s
+    off_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.clients < 1:
+            raise ValueError("clients must be >= 1")
+        if self.on_s is not None and (self.on_s <= 0 or self.off_s < 0):
+            raise ValueError("on_s must be > 0 and off_s >= 0")
+
+    @classmethod
+    def of(cls, clients: int, burst: Sequence[float] | None = None) -> "ClosedLoop | None":
+        """From command-line flags: ``--clients N`` (0: open loop) and ``--burst ON_S OFF_S``."""
+        if not clients:
+            return None
+        on, off = burst or (None, 0.0)
+        return cls(clients, on, off)
+
+    def next_start(self, now: float) -> float:
+        """The earliest time at or after ``now`` a client may send (the next burst, when between bursts)."""
+        if self.on_s is None or self.off_s == 0:
+            return now
+        cycle = self.on_s + self.off_s
+        start = math.floor(now / cycle) * cycle
+        return now if now - start < self.on_s else start + cycle
+
+    def label(self) -> str:
+        burst = f", bursts {self.on_s:g}s on / {self.off_s:g}s off" if self.on_s is not None else ""
+        return f"closed loop, {self.clients} clients{burst}"
+
+
 @dataclass(slots=True)
 class Workload:
     name: str
@@ -46,6 +90,8 @@ class Workload:
     description: str
     # Replicas' KV pool size (tokens) the workload is meant to stress by default.
     kv_tokens: int = 1 << 20
+    # Replay by a fixed number of clients instead of the requests' own arrivals.
+    closed_loop: ClosedLoop | None = None
 
     @property
     def follow_ups(self) -> int:
@@ -63,3 +109,29 @@ class Interner:
     def __call__(self, hashes: list[bytes]) -> list[bytes]:
         seen = self._seen
         return [seen.setdefault(h, h) for h in hashes]
+
+
+def chains(workload: Workload) -> list[list[Request]]:
+    """Conversations for closed-loop clients: each root request, then its follow-ups depth first.
+
+    Roots in arrival order; a request whose ``after`` is not in the workload
+    starts a conversation of its own.
+    """
+    rids = {r.rid for r in workload.requests}
+    followers: dict[int, list[Request]] = {}
+    roots: list[Request] = []
+    for r in workload.requests:
+        if r.after is not None and r.after in rids:
+            followers.setdefault(r.after, []).append(r)
+        else:
+            roots.append(r)
+    out: list[list[Request]] = []
+    for root in sorted(roots, key=lambda r: (r.arrival, r.rid)):
+        chain: list[Request] = []
+        stack = [root]
+        while stack:
+            r = stack.pop()
+            chain.append(r)
+            stack.extend(reversed(followers.get(r.rid, ())))
+        out.append(chain)
+    return out

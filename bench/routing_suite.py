@@ -1,0 +1,207 @@
+"""The generated routing suite: workloads nothing is tuned on, every policy, min / median / max over seeds.
+
+    .venv/bin/python -m bench.routing_suite            # 7 families x 3 seeds (8-16 min on 2 shared cores)
+    .venv/bin/python -m bench.routing_suite --quick    # 2 seeds, runs capped at 20 s simulated (about a minute)
+    .venv/bin/python -m bench.routing_suite --families heavy4-closed8 --seeds 1 2 3 4 5 6
+
+For reporting only. ``bench.routing``'s workloads (twins, MT-bench, Mooncake,
+shared prefix, unique) are the ones routing is tuned on; this suite is drawn
+from ``bench/workloads/generated.py`` (randomised layer sizes, organisations
+per replica including exactly as many heavy organisations as replicas,
+Poisson open loop at several loads, closed loop at fixed concurrency and in
+bursts, runs from 5 s to 10 min of simulated time) and must not be tuned on:
+a change to ``routing/`` is judged by it, not fitted to it. If a family here
+shows a weakness worth fixing, reproduce it as a tuning workload first.
+
+Each (family, seed) is built once and replayed through every policy on the
+same simulated fleet (``bench.routing_sim``), the bounded omniscient
+reference (``bench.routing_reference``) included. Per family, each cell is
+min / median / max over seeds of:
+
+* ``%ref``: fleet hit ratio as a share of the bounded reference's;
+* ``TTFT p95``;
+* ``req m/m``: max/mean per-replica request counts over the run;
+* ``if/bound``: the max over routing decisions of the chosen replica's
+  in-flight (this request included) over ceil(1.25 x mean in-flight);
+  above 1.00 the bounded-loads cap was broken at least once;
+
+and ``p95 best``: on how many seeds the policy's TTFT p95 was the lowest of
+the real policies (the reference excluded), within ``--tie`` (5%) of it.
+Numbers also go to ``bench/out/routing_suite.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+from .routing import POLICIES, calibrate, ideal_hit_ratio
+from .routing_reference import REFERENCE
+from .routing_sim import SimSettings, simulate
+from .workloads import Workload
+from .workloads.generated import FAMILIES, Family, build, layout
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE_POLICIES = ["round_robin", "least_load", "consistent_hash", "sglang_cache_aware", "llm-d", "kubeai_chwbl",
+                  "prefix_affinity", "cost", REFERENCE]
+QUICK_SECONDS = 20.0
+MIN_REQUESTS, MAX_REQUESTS = 40, 40_000
+_PROBE = 150  # requests built to estimate a family's request rate before sizing the run
+
+
+def requests_for(w: Workload, family: Family, settings: SimSettings, seconds: float) -> int:
+    """How many requests of ``w``'s shape make a run of about ``seconds`` of simulated time.
+
+    Open loop: the calibrated arrival rate times the length. Closed loop: each
+    client sends one request per service time (prefill of the uncached part at
+    the ideal hit ratio, plus its decode at a batch of clients per replica),
+    during the bursts' duty cycle only. An estimate: the suite reports the
+    real simulated length.
+    """
+    ideal = ideal_hit_ratio(w)
+    loop = family.closed_loop
+    if loop is None:
+        rate = calibrate(w, ideal, settings, family.load)
+        n = seconds * rate
+    else:
+        t = settings.timing
+        batch = max(1, loop.clients // family.replicas)
+        service = statistics.mean(t.prefill_time(int(r.prompt_tokens * (1 - ideal)))
+                                  + r.output_tokens * t.decode_step_time(batch) for r in w.requests)
+        duty = loop.on_s / (loop.on_s + loop.off_s) if loop.on_s is not None else 1.0
+        n = seconds * loop.clients / service * duty
+    return max(MIN_REQUESTS, min(MAX_REQUESTS, int(n)))
+
+
+def run_one(job: tuple[str, int, float, tuple[str, ...]]) -> dict[str, Any]:
+    """One (family, seed): build it once, replay it through every policy."""
+    name, seed, seconds, policies = job
+    family = next(f for f in FAMILIES if f.name == name)
+    settings = SimSettings(replicas=family.replicas, kv_tokens=layout(family, seed).kv_tokens, seed=seed)
+    started, cpu = time.perf_counter(), time.process_time()
+    n = requests_for(build(family, seed, _PROBE), family, settings, seconds)
+    w = build(family, seed, n)
+    ideal = ideal_hit_ratio(w)
+    if family.closed_loop is None:
+        calibrate(w, ideal, settings, family.load)
+    reference = simulate(w, POLICIES[REFERENCE], settings)
+    rows: dict[str, dict[str, float]] = {}
+    for policy in policies:
+        s = reference if policy == REFERENCE else simulate(w, POLICIES[policy], settings)
+        rows[policy] = {
+            "hit_ratio": s.hit_ratio, "of_reference": s.hit_ratio / reference.hit_ratio if reference.hit_ratio else 1.0,
+            "of_ideal": s.hit_ratio / ideal if ideal else 1.0, "ttft_p50_s": s.ttft(0.5), "ttft_p95_s": s.ttft(0.95),
+            "max_over_mean_requests": s.max_over_mean_requests, "max_in_flight_over_bound": s.max_bound_ratio,
+            "decisions_over_bound": s.over_bound, "max_over_mean_load": s.max_over_mean_load,
+            "sim_s": s.makespan, "max_in_flight": s.max_in_flight, "wall_s": s.wall_s,
+        }
+    print(f"  {name} seed {seed}: {n} requests, {reference.makespan:.0f} s simulated, "
+          f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return {"family": name, "seed": seed, "requests": n, "description": w.description, "ideal": ideal,
+            "reference": reference.hit_ratio, "rows": rows, "cpu_s": time.process_time() - cpu}
+
+
+def spread(xs: Sequence[float]) -> tuple[float, float, float]:
+    """min, median, max (NaNs left out; all NaN: NaN)."""
+    ok = [x for x in xs if x == x]
+    if not ok:
+        return (float("nan"),) * 3  # type: ignore[return-value]
+    return min(ok), statistics.median(ok), max(ok)
+
+
+def best_p95(runs: list[dict[str, Any]], policy: str, tie: float) -> int:
+    """Seeds on which ``policy``'s TTFT p95 is within ``tie`` of the lowest real policy's."""
+    wins = 0
+    for run in runs:
+        real = [r["ttft_p95_s"] for p, r in run["rows"].items() if p != REFERENCE]
+        wins += run["rows"][policy]["ttft_p95_s"] <= min(real) * (1 + tie)
+    return wins
+
+
+def _cell(xs: Sequence[float], fmt) -> str:
+    lo, mid, hi = spread(xs)
+    return "-" if mid != mid else f"{fmt(lo)} / {fmt(mid)} / {fmt(hi)}"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1000:.0f}ms" if x < 1 else f"{x:.2f}s"
+
+
+def format_family(family: Family, runs: list[dict[str, Any]], policies: Sequence[str], tie: float) -> str:
+    lines = [f"\n## {family.name}: {family.describe()}"]
+    sim = spread([r["rows"][policies[0]]["sim_s"] for r in runs])
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    requests = _cell([r["requests"] for r in runs], lambda v: f"{v:.0f}")
+    lines.append(f"seeds {seeds}; requests {requests}; simulated {sim[0]:.0f}-{sim[2]:.0f} s; "
+                 f"bounded reference hit {_cell([r['reference'] for r in runs], _f3)}; "
+                 f"ideal {_cell([r['ideal'] for r in runs], _f3)}  (cells: min / median / max over seeds)")
+    header = ["policy", "%ref", "TTFT p95", "req m/m", "if/bound", "p95 best"]
+    table = [header]
+    for p in policies:
+        rows = [r["rows"][p] for r in runs]
+        table.append([
+            p, _cell([x["of_reference"] for x in rows], lambda v: f"{v:.2f}"),
+            _cell([x["ttft_p95_s"] for x in rows], _ms),
+            _cell([x["max_over_mean_requests"] for x in rows], lambda v: f"{v:.2f}"),
+            _cell([x["max_in_flight_over_bound"] for x in rows], lambda v: f"{v:.2f}"),
+            "-" if p == REFERENCE else f"{best_p95(runs, p, tie)}/{len(runs)}",
+        ])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for k, r in enumerate(table):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _f3(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.routing_suite", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"2 seeds, runs capped at {QUICK_SECONDS:g} s simulated")
+    p.add_argument("--families", nargs="+", default=[f.name for f in FAMILIES], choices=[f.name for f in FAMILIES])
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 1 2 3 (--quick: 1 2)")
+    p.add_argument("--policies", nargs="+", default=SUITE_POLICIES, choices=list(POLICIES))
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    p.add_argument("--tie", type=float, default=0.05, help="TTFT p95 within this share of the best counts as a tie")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    seeds = args.seeds or ([1, 2] if args.quick else [1, 2, 3])
+    policies = list(dict.fromkeys([*args.policies, REFERENCE]))
+    families = [f for f in FAMILIES if f.name in args.families]
+    jobs = [(f.name, seed, min(f.seconds, QUICK_SECONDS) if args.quick else f.seconds, tuple(policies))
+            for f in sorted(families, key=lambda f: -f.seconds) for seed in seeds]
+    started = time.perf_counter()
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(run_one, jobs))
+    else:
+        results = [run_one(job) for job in jobs]
+    print("generated suite (reporting only: routing is not tuned on it); "
+          "bounded reference = greedy longest cached prefix under ceil(1.25 x mean in-flight)")
+    for f in families:
+        print(format_family(f, [r for r in results if r["family"] == f.name], policies, args.tie))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "routing_suite.json").write_text(json.dumps(results, indent=1))
+    # CPU time too: on a shared machine the wall clock says more about the neighbours than about the suite.
+    cpu = sum(r["cpu_s"] for r in results)
+    print(f"\n({time.perf_counter() - started:.0f} s wall, {cpu:.0f} s CPU in {args.jobs} processes; "
+          f"{args.out / 'routing_suite.json'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

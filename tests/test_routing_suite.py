@@ -1,0 +1,182 @@
+"""The generated suite, closed-loop replay, the bounded reference and the load-bound accounting.
+
+Everything here builds its own small data; nothing reads ../shared/data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import routing_suite
+from bench.routing import POLICIES, calibrate, ideal_hit_ratio
+from bench.routing_reference import REFERENCE
+from bench.routing_replay import Usage, replay
+from bench.routing_sim import RunStats, SimSettings, load_bound, simulate
+from bench.workloads import ClosedLoop, Request, Workload, chains
+from bench.workloads.generated import FAMILIES, Family, build, layout
+from vllm_sim.kv import block_hashes
+from vllm_sim.template import render_chat
+from vllm_sim.tokenizer import tokenize
+
+HEAVY = next(f for f in FAMILIES if f.name == "heavy4-closed8")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_generated_token_ids_are_exactly_the_simulators(family: Family) -> None:
+    w = build(family, seed=3, n_requests=8)
+    assert len(w.requests) == 8 and w.closed_loop == family.closed_loop
+    for req in w.requests:
+        ids = tokenize(render_chat(req.body()["messages"]))
+        assert len(ids) == req.prompt_tokens
+        assert block_hashes(ids) == list(req.kv_hashes)
+
+
+def test_a_heavy_family_has_exactly_as_many_heavy_organisations_as_replicas() -> None:
+    for seed in range(1, 6):
+        lay = layout(HEAVY, seed)
+        weights = sorted(lay.org_weights, reverse=True)
+        assert lay.heavy_orgs == HEAVY.replicas
+        assert sum(weights[: HEAVY.replicas]) >= 0.7 - 1e-9
+        assert abs(sum(weights) - 1) < 1e-9
+    assert len({layout(HEAVY, s).global_tokens for s in range(1, 6)}) > 1, "layer sizes differ by seed"
+
+
+def test_a_follow_up_turn_extends_its_previous_turn() -> None:
+    family = next(f for f in FAMILIES if f.name == "chat-closed32")
+    w = build(family, seed=1, n_requests=60)
+    by_rid = {r.rid: r for r in w.requests}
+    follow = [r for r in w.requests if r.prev is not None]
+    assert follow, "this family has multi-turn conversations"
+    for r in follow:
+        prev = by_rid[r.prev]
+        assert list(r.kv_hashes[: len(prev.kv_hashes) - 1]) == list(prev.kv_hashes[:-1])
+
+
+def test_load_bound_is_ceil_of_one_and_a_quarter_times_the_mean() -> None:
+    assert [load_bound(n, 4) for n in (1, 4, 8, 9, 16)] == [1, 2, 3, 3, 5]
+    assert load_bound(12, 8) == 2 and load_bound(0, 8) == 1
+    assert load_bound(8, 4, epsilon=0.5) == 3 and load_bound(10, 4, epsilon=0.3) == 4
+    with pytest.raises(ValueError):
+        load_bound(1, 0)
+
+
+def test_closed_loop_bursts_wait_for_the_next_window() -> None:
+    assert ClosedLoop(4).next_start(7.3) == 7.3
+    burst = ClosedLoop(4, on_s=1.0, off_s=2.0)
+    assert [burst.next_start(t) for t in (0.0, 0.5, 1.0, 2.9, 3.2)] == [0.0, 0.5, 3.0, 3.0, 3.2]
+    with pytest.raises(ValueError):
+        ClosedLoop(0)
+    assert ClosedLoop.of(0, [1.0, 2.0]) is None and ClosedLoop.of(8) == ClosedLoop(8)
+    assert ClosedLoop.of(8, [1.0, 2.0]) == ClosedLoop(8, 1.0, 2.0)
+
+
+def _req(rid: int, arrival: float, after: int | None = None) -> Request:
+    return Request(rid, "chat", "m", "t", dict, 32, 4, [], arrival, after=after, prev=after)
+
+
+def test_chains_are_conversations_in_arrival_order() -> None:
+    w = Workload("w", [_req(0, 5.0), _req(1, 1.0), _req(2, 0.5, after=0), _req(3, 0.5, after=2)], "")
+    assert [[r.rid for r in c] for c in chains(w)] == [[1], [0, 2, 3]]
+
+
+class _Recorder:
+    """Round robin that records the simulated time of every decision."""
+
+    name = "recorder"
+
+    def __init__(self, clock) -> None:
+        self.clock, self.times, self.k = clock, [], 0
+
+    def prefer(self, request, replicas):
+        self.times.append(self.clock())
+        self.k += 1
+        return [*replicas[self.k % len(replicas):], *replicas[: self.k % len(replicas)]]
+
+    def observe(self, request, feedback) -> None:
+        return None
+
+
+def test_simulated_closed_loop_keeps_exactly_its_clients_in_flight_and_sends_only_in_bursts() -> None:
+    w = build(HEAVY, seed=2, n_requests=120)
+    made: list[_Recorder] = []
+
+    def make(clock):
+        made.append(_Recorder(clock))
+        return made[-1]
+
+    stats = simulate(w, make, SimSettings(replicas=4, closed_loop=ClosedLoop(8)))
+    assert stats.max_in_flight == 8 and len(stats.ttfts) == 120
+    assert sum(stats.requests_per_replica) == 120
+    bursty = simulate(w, make, SimSettings(replicas=4, closed_loop=ClosedLoop(8, on_s=0.5, off_s=1.5)))
+    assert bursty.max_in_flight == 8 and len(bursty.ttfts) == 120
+    assert all(t % 2.0 < 0.5 + 1e-9 for t in made[-1].times)
+    assert bursty.makespan > stats.makespan
+
+
+def _heavy_run(policy: str) -> tuple[RunStats, Workload]:
+    w = build(HEAVY, seed=1, n_requests=200)
+    return simulate(w, POLICIES[policy], SimSettings(replicas=4, kv_tokens=1 << 20)), w
+
+
+def test_the_bounded_reference_never_passes_the_bound_and_the_metric_sees_who_does() -> None:
+    ref, w = _heavy_run(REFERENCE)
+    assert ref.over_bound == 0 and ref.max_bound_ratio <= 1.0
+    assert ref.hit_ratio >= 0.9 * ideal_hit_ratio(w)
+    unbounded, _ = _heavy_run("consistent_hash")
+    assert unbounded.max_bound_ratio > 1.0 and unbounded.over_bound > 0
+    rr, _ = _heavy_run("round_robin")
+    assert rr.max_over_mean_requests == pytest.approx(1.0) and ref.hit_ratio > rr.hit_ratio
+
+
+def test_replay_closed_loop_runs_conversations_with_exactly_its_clients() -> None:
+    w = build(next(f for f in FAMILIES if f.name == "chat-closed32"), seed=1, n_requests=40)
+    in_flight, peak, order = [0], [0], []
+
+    async def send(req: Request) -> Usage:
+        in_flight[0] += 1
+        peak[0] = max(peak[0], in_flight[0])
+        order.append(req.rid)
+        await asyncio.sleep(0.001)
+        in_flight[0] -= 1
+        return Usage(req.prompt_tokens, 0, 0.001)
+
+    results = asyncio.run(replay(w, send, closed_loop=ClosedLoop(3)))
+    assert [r.rid for r in results] == list(range(40)) and peak[0] == 3
+    for r in w.requests:
+        if r.prev is not None:
+            assert order.index(r.prev) < order.index(r.rid)
+
+
+def test_sizing_aims_a_run_at_its_length() -> None:
+    family = next(f for f in FAMILIES if f.name == "orgs-poisson-0.5")
+    settings = SimSettings(replicas=family.replicas, kv_tokens=layout(family, 1).kv_tokens)
+    short = routing_suite.requests_for(build(family, 1, 100), family, settings, 10)
+    long = routing_suite.requests_for(build(family, 1, 100), family, settings, 40)
+    assert 3.5 < long / short < 4.5
+    w = build(family, 1, long)
+    calibrate(w, ideal_hit_ratio(w), settings, family.load)
+    stats = simulate(w, POLICIES["least_load"], settings)
+    assert 20 < stats.makespan < 80
+
+
+def test_spread_and_p95_ties() -> None:
+    assert routing_suite.spread([3.0, 1.0, float("nan"), 2.0]) == (1.0, 2.0, 3.0)
+    runs = [{"rows": {"a": {"ttft_p95_s": 1.0}, "b": {"ttft_p95_s": 1.04}, REFERENCE: {"ttft_p95_s": 0.5}}},
+            {"rows": {"a": {"ttft_p95_s": 2.0}, "b": {"ttft_p95_s": 1.0}, REFERENCE: {"ttft_p95_s": 0.5}}}]
+    assert routing_suite.best_p95(runs, "a", 0.05) == 1 and routing_suite.best_p95(runs, "b", 0.05) == 2
+
+
+def test_quick_suite_runs(tmp_path: Path, capsys) -> None:
+    code = routing_suite.main(["--quick", "--families", "heavy4-closed8", "--seeds", "1", "2", "--jobs", "1",
+                               "--policies", "round_robin", "prefix_affinity", "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "## heavy4-closed8" in out and "bounded_reference" in out and "if/bound" in out
+    data = json.loads((tmp_path / "routing_suite.json").read_text())
+    assert {d["seed"] for d in data} == {1, 2}
+    assert set(data[0]["rows"]) == {"round_robin", "prefix_affinity", REFERENCE}
+    assert data[0]["rows"][REFERENCE]["of_reference"] == 1.0
