@@ -30,6 +30,7 @@ import asyncio
 import time
 from typing import Any, Callable
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -53,6 +54,20 @@ for _, id in ipairs(victims) do redis.call('DEL', ARGV[2] .. id) end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'op', 'del', 'id', table.concat(victims, ' '),
            'src', ARGV[3])
 return victims
+"""
+
+
+# Add a vector to an entry only if it is still the version written (same ``created``, same
+# embedder): a hash that expired, was evicted, purged or replaced meanwhile is not touched
+# (HSET on a missing key would re-create a partial entry). Logged as an "add": other
+# instances fetch the entry again, now with its vector.
+_SET_VECTOR = """
+if redis.call('HGET', KEYS[1], 'created') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'emb') ~= ARGV[2] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'vec', ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'op', 'add', 'id', ARGV[4], 'src', ARGV[5])
+return 1
 """
 
 
@@ -249,6 +264,15 @@ class RedisStore:
         victims = await self._call(lambda r: r.eval(
             _EVICT, 2, nskey, self._k("log"), cap, self._k("e:"), self._me, self._maxlen))
         return [v.decode() if isinstance(v, bytes) else str(v) for v in victims]
+
+    async def set_vector(self, entry: Entry) -> bool:
+        if entry.vector is None:
+            return False
+        vec = np.ascontiguousarray(entry.vector, dtype=np.float32).tobytes()
+        done = await self._call(lambda r: r.eval(
+            _SET_VECTOR, 2, self._k("e:", entry.id), self._k("log"), repr(entry.created), self._embedder,
+            vec, entry.id, self._me, self._maxlen))
+        return bool(done)
 
     async def _delete(self, ids: list[str]) -> None:
         for i in range(0, len(ids), _CHUNK):
