@@ -307,16 +307,18 @@ class SemanticCache:
         return (entry.partition == req.partition and entry.namespace == req.namespace
                 and entry.model == req.model and entry.endpoint == req.endpoint)
 
-    async def _embed(self, query: str) -> Any:
+    async def _embed(self, query: str, timeout_s: float | None = None) -> Any:
         try:
-            async with asyncio.timeout(self.settings.embed_timeout_s):
+            async with asyncio.timeout(timeout_s or self.settings.embed_timeout_s):
                 return (await self._embedder.embed([embedding_text(query)]))[0]
         except (EmbedderError, TimeoutError):
             return None
 
     async def _embed_quietly(self, query: str) -> Any:
         try:
-            return await self._embed(query)
+            # No first token waits on this one (only the vector write does): a busy
+            # embedder gets ten times the lookup's bound before the entry stays exact-only.
+            return await self._embed(query, 10 * self.settings.embed_timeout_s)
         except Exception:  # nobody may ever await this task: a fault must not go unretrieved
             log.exception("semantic cache embedding failed")
             return None
