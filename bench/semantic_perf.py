@@ -230,6 +230,49 @@ async def bench_gateway(args: argparse.Namespace) -> None:
         semantic = await timed_many(lambda: ask(next(it)), len(para))
     print(row(f"gateway end to end, exact {exact_seen}", exact))
     print(row(f"gateway end to end, paraphrases {seen}", semantic))
+    for clients in (1, 8):
+        await gateway_servable(args, clients)
+
+
+async def gateway_servable(args: argparse.Namespace, clients: int, rounds: int = 6,
+                           after_s: float = 0.05) -> None:
+    """What a user sees: each question in a context seen for the first time, then at once
+    the identical question, then its paraphrase ``after_s`` after the answer arrived."""
+    import uuid
+
+    import httpx
+
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    served: Counter[str] = Counter()
+    run = uuid.uuid4().hex[:8]
+    async with httpx.AsyncClient(base_url=args.gateway_url, headers=headers, timeout=60) as client:
+        async def ask(system: str, text: str, stream: bool) -> str:
+            body = {"model": args.model, "stream": stream,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}]}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for _ in resp.aiter_bytes():
+                    pass  # to the last byte, as a client does
+                return resp.headers.get("x-kvgate-cache", "-")
+
+        async def user(c: int) -> None:
+            for i in range(rounds):
+                k, stream = (c * rounds + i) % len(QUESTIONS), bool(i % 2)
+                system = f"You are assistant {run}-{c}-{i}."
+                await ask(system, QUESTIONS[k], stream)
+                done = time.perf_counter()
+                # (Never ``served[k] += await ...``: the read before the await loses updates.)
+                identical = await ask(system, QUESTIONS[k], stream) == "hit"
+                await asyncio.sleep(max(0.0, after_s - (time.perf_counter() - done)))
+                paraphrase = await ask(system, PARAPHRASES[k], stream) == "hit"
+                served["identical"] += identical
+                served["paraphrase"] += paraphrase
+
+        await asyncio.gather(*[user(c) for c in range(clients)])
+    n = clients * rounds
+    print(f"{'gateway, new contexts, ' + str(clients) + ' clients':<44} identical repeat at once: hit "
+          f"{served['identical']}/{n}; paraphrase {after_s * 1000:.0f} ms after the answer: hit "
+          f"{served['paraphrase']}/{n}")
 
 
 async def store_as_gateway(cache: SemanticCache, r: Any, answer: CachedAnswer, lookup: Any) -> tuple[float, float]:
@@ -315,6 +358,10 @@ async def bench_servable(args: argparse.Namespace, embedder: LocalEmbedder) -> N
           f"generation {args.gen_ms:g} ms, load avg {os.getloadavg()[0]:.2f}")
     if args.redis_url:
         await redis_control(args)
+    # The embedding every semantic row waits for in new contexts, alone: scales the rows
+    # to this machine's load (all-MiniLM-L6-v2, one text, nothing else queued).
+    samples = await timed_many(lambda: embedder.embed(["How do I reset my router password?"]), 50)
+    print(row("control: one embedding, nothing else queued", samples))
     for fresh in (False, True):
         for clients in (int(c) for c in args.clients.split(",")):
             await servable_row(args, embedder, clients, fresh)
