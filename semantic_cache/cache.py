@@ -4,11 +4,11 @@ Lookup order, cheapest first:
 
 1. bypass (decided purely by ``cache_request``);
 2. exact tier: one store read by the exact key, no embedding;
-3. semantic tier, only if this partition has vectors at all (a new
-   conversation skips the embedding entirely): embed the normalised query
-   (micro-batched, in a worker thread), search this partition's index, and
-   offer the best candidates above ``threshold`` to the verifier; the first it
-   accepts is re-read from the store and served.
+3. semantic tier, only if this partition has vectors or one on its way (a new
+   conversation only starts the embedding its store will need): embed the
+   normalised query (micro-batched, in a worker thread), search this
+   partition's index, and offer the best candidates above ``threshold`` to the
+   verifier; the first it accepts is re-read from the store and served.
 
 Store order, so an answer is servable as soon as possible:
 
@@ -21,7 +21,8 @@ Store order, so an answer is servable as soon as possible:
    the stored entry and indexes it: the semantic tier serves it from then on.
    A lookup in a partition seen for the first time has nothing to search, so it
    starts the embedding without waiting for it; it runs while the replica
-   generates and is usually ready before the answer is.
+   generates and is usually ready before the answer is. A paraphrase that
+   arrives while that vector is still on its way waits for it (``inflight``).
 
 Contract: ``lookup`` and ``store`` never raise (task cancellation aside). A
 store fault, a hung Redis, an embedder error or a bug in here becomes a miss
@@ -43,6 +44,7 @@ import numpy as np
 
 from .embedder import Embedder, EmbedderError, HashEmbedder, LocalEmbedder, RemoteEmbedder
 from .index import VectorIndex
+from .inflight import Inflight
 from .models import CachedAnswer, CacheRequest, Entry, Lookup
 from .normalize import embedding_text
 from .redis_store import RedisStore
@@ -101,9 +103,7 @@ class SemanticCache:
         self._ready_at: float | None = None  # when the semantic tier could first serve
         self._ready_task: asyncio.Task[None] | None = None
         self._embeddings: set[asyncio.Task[Any]] = set()  # started by lookups, awaited by stores
-        self._vectors_pending = 0
-        self._vectors_idle = asyncio.Event()
-        self._vectors_idle.set()
+        self._inflight = Inflight()
         self.counters: dict[str, Counter[str]] = {
             k: Counter() for k in ("lookups", "miss", "bypass", "rejected", "stores", "refused")}
 
@@ -189,7 +189,7 @@ class SemanticCache:
 
     async def settled(self) -> None:
         """Wait until every stored answer's vector is written and indexed (tests, benchmarks)."""
-        await self._vectors_idle.wait()
+        await self._inflight.idle()
 
     # ---- catalog: what this instance knows is in the store (IndexSink) ----
 
@@ -267,7 +267,8 @@ class SemanticCache:
             return Lookup("hit", answer=entry.answer, similarity=1.0, tier="exact")
         if not req.semantic:
             return Lookup("miss", reason="no_exact_match")
-        if not self._index.has_partition(req.partition):
+        partition_known = self._index.has_partition(req.partition)
+        if not partition_known and not (self._inflight.pending(req.partition) and self._embedder.ready):
             # Nothing to search, but the answer will be stored: start its embedding now,
             # while the replica generates, and hand it to the store (never embed it twice).
             return Lookup("miss", reason="empty_partition", embedding=self._embed_soon(req.query))
@@ -276,6 +277,10 @@ class SemanticCache:
         vector = await self._embed(req.query)
         if vector is None:
             return Lookup("miss", reason="embedder_error")
+        if not partition_known:
+            # A first answer of this context waits for its vector, queued before ours:
+            # wait for it too, and a paraphrase asked right after that answer is served.
+            await self._inflight.wait(req.partition, self.settings.embed_timeout_s)
         result = await self._semantic(req, vector)
         return replace(result, embedding=vector) if result.status == "miss" else result
 
@@ -391,8 +396,7 @@ class SemanticCache:
             self.counters["stores"]["ok"] += 1
             if later is None:
                 return True
-            self._vectors_pending += 1
-            self._vectors_idle.clear()
+            self._inflight.add(entry.partition)
             return PendingVector(entry, later)
         except StoreUnavailable:
             self.counters["stores"]["failed:store_unavailable"] += 1
@@ -437,9 +441,7 @@ class SemanticCache:
             log.exception("semantic cache vector store failed")
             self.counters["stores"]["vector_failed:error"] += 1
         finally:
-            self._vectors_pending -= 1
-            if self._vectors_pending == 0:
-                self._vectors_idle.set()
+            self._inflight.done(pending.entry.partition)
         return False
 
     # ---- admin ----
@@ -465,7 +467,7 @@ class SemanticCache:
             # When the semantic tier could first serve (unix time; None while loading).
             "ready_at": self._ready_at,
             "ready_after_s": round(self._ready_at - self._opened_at, 3) if self._ready_at else None,
-            "vectors_pending": self._vectors_pending,
+            "vectors_pending": len(self._inflight),
             "threshold": self.settings.threshold,
             "verifier": self._verifier is not None,
             "entries": dict(self._ns_counts),
