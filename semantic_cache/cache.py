@@ -272,9 +272,15 @@ class SemanticCache:
             # Nothing to search, but the answer will be stored: start its embedding now,
             # while the replica generates, and hand it to the store (never embed it twice).
             return Lookup("miss", reason="empty_partition", embedding=self._embed_soon(req.query))
-        if not self._embedder.ready:
+        embedding = self._embed_soon(req.query)
+        if embedding is None:
             return Lookup("miss", reason="embedder_not_ready")
-        vector = await self._embed(req.query)
+        # Bounded for the first token's sake; a busy model keeps embedding past the bound
+        # for the store, which would otherwise embed the same text a second time.
+        await asyncio.wait({embedding}, timeout=self.settings.embed_timeout_s)
+        if not embedding.done():
+            return Lookup("miss", reason="embedder_timeout", embedding=embedding)
+        vector = embedding.result()
         if vector is None:
             return Lookup("miss", reason="embedder_error")
         if not partition_known:
