@@ -418,7 +418,8 @@ class SemanticCache:
         if isinstance(embedding, asyncio.Future):
             if not embedding.done():
                 return None, embedding
-            embedding = None if embedding.cancelled() else embedding.result()
+            failed = embedding.cancelled() or embedding.exception() is not None
+            embedding = None if failed else embedding.result()
             if embedding is not None:
                 return embedding, None
         elif embedding is not None:
