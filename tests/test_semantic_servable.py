@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from semantic_cache.embedder import load_minilm
+from tests.support.redis_server import PrivateRedis
 from tests.support.stack import MODEL, Stack, start_stack
 
 TOKEN = "admin-secret"
@@ -188,5 +189,25 @@ def test_readyz_names_the_model_load_error() -> None:
         assert "model files missing" in line
         stats = _admin_cache(stack)
         assert stats["ready_at"] is None and "model files missing" in stats["embedder_error"]
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hung_redis_holds_the_answer_back_at_most_store_wait_ms(private_redis: PrivateRedis,
+                                                                  stream: bool) -> None:
+    """The final bytes wait for the exact-tier write only up to store_wait_ms: with Redis
+    paused, a request costs its lookup's timeout (1 s) and not a second one for the store."""
+    stack = start_stack(1, redis_url=private_redis.url, redis_timeout_s=1.0,
+                        semantic_cache=_cache(embedder="hash", store_wait_ms=50, breaker_failures=10))
+    try:
+        client = openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0)
+        assert _ask(client, "You answer briefly.", "Is Redis up?", stream)[0] == "miss"
+        with private_redis.paused():
+            started = time.monotonic()
+            status, answer = _ask(client, "You answer briefly.", "Is Redis paused?", stream)
+            elapsed = time.monotonic() - started
+        assert status == "miss" and answer
+        assert 1.0 <= elapsed < 1.8, elapsed  # lookup timeout + upstream, not + a store timeout
     finally:
         stack.close()
