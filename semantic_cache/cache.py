@@ -436,7 +436,9 @@ class SemanticCache:
                 return False
             entry = replace(pending.entry, vector=vector)
             if not await self._store.set_vector(entry):
-                self.counters["stores"]["vector_failed:gone"] += 1
+                # Replaced (the same request stored again: its own vector follows), expired,
+                # evicted or purged meanwhile: nothing to add to, and nothing went wrong.
+                self.counters["stores"]["vector_dropped"] += 1
                 return False
             if entry.id in self._known:  # not forgotten (purged, evicted) meanwhile
                 self.remember(entry)

@@ -235,7 +235,7 @@ async def test_a_vector_added_after_the_exact_write_is_shared_and_never_revives_
     assert await a.purge(namespace="t1") == 2
     later.set_result(vector)
     assert not await a.store_vector(stored)
-    assert a.stats()["stores"]["vector_failed:gone"] == 1 and a.stats()["indexed_vectors"] == 0
+    assert a.stats()["stores"]["vector_dropped"] == 1 and a.stats()["indexed_vectors"] == 0
     assert (await a.lookup(gone)).status == "miss"
     if backend == "redis":
         client = redis.Redis.from_url(redis_service)
