@@ -170,8 +170,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # Anything but a clean hit or miss would bias the numbers: count it.
             stats = cache.stats()
             faults[cname] += sum(n for reason, n in stats["miss"].items()
-                                 if reason in ("embedder_error", "error", "embedder_not_ready"))
-            faults[cname] += sum(n for reason, n in stats["stores"].items() if reason.startswith("failed"))
+                                 if reason in ("embedder_error", "embedder_timeout", "error", "embedder_not_ready"))
+            faults[cname] += sum(n for reason, n in stats["stores"].items()
+                                 if reason.startswith(("failed", "vector_failed")))
             print(f"[{cname}] {name}: {len(rows)} pairs in {time.monotonic() - t0:.0f}s", file=sys.stderr)
             await cache.aclose()
     await inner.aclose()

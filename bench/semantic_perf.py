@@ -8,7 +8,11 @@ Sections (``--only`` picks some):
 * ``index``    ``VectorIndex.search`` p50/p99 at 10K and 100K entries (1M with
                ``--million``): random unit vectors, dim 384, one partition;
 * ``embed``    embedding throughput: one text per call vs micro-batched concurrent calls;
-* ``memory``   bytes per entry: index (RSS delta) and Redis (``MEMORY USAGE``).
+* ``memory``   bytes per entry: index (RSS delta) and Redis (``MEMORY USAGE``);
+* ``servable`` store-to-servable latency: from an answer's completion to the
+               moment an identical request (exact tier) and a paraphrase
+               (semantic tier) can be served, at 1, 8 and 32 concurrent clients,
+               in contexts already cached and in contexts seen for the first time.
 
 ``--redis-url`` runs the cache sections on Redis (default: in-process store).
 ``--gateway-url`` measures end to end through a running kvgate instead (an
@@ -24,6 +28,7 @@ import os
 import resource
 import statistics
 import time
+from collections import Counter
 from typing import Any, Awaitable, Callable
 
 import numpy as np
@@ -58,8 +63,8 @@ def row(name: str, samples_s: list[float]) -> str:
             f"mean {statistics.fmean(ms):8.3f} ms")
 
 
-def req(namespace: str, text: str, s: SemanticCacheSettings):  # type: ignore[no-untyped-def]
-    body = {"model": "perf", "messages": [{"role": "system", "content": "Be brief."},
+def req(namespace: str, text: str, s: SemanticCacheSettings, system: str = "Be brief."):  # type: ignore[no-untyped-def]
+    body = {"model": "perf", "messages": [{"role": "system", "content": system},
                                           {"role": "user", "content": text}]}
     return cache_request("chat", namespace, body, {}, settings=s)
 
@@ -110,13 +115,13 @@ async def bench_semantic(args: argparse.Namespace, embedder: LocalEmbedder) -> N
     await drop_log(args)
 
 
-async def drop_log(args: argparse.Namespace) -> None:
+async def drop_log(args: argparse.Namespace, prefix: str = "kvgate:sc:perf:") -> None:
     """The change log outlives a purge (other instances may still be reading it); a bench cleans it."""
     if args.redis_url:
         import redis.asyncio as aioredis
 
         client = aioredis.Redis.from_url(args.redis_url)
-        await client.delete("kvgate:sc:perf:log")
+        await client.delete(f"{prefix}log")
         await client.aclose()
 
 
@@ -225,6 +230,141 @@ async def bench_gateway(args: argparse.Namespace) -> None:
         semantic = await timed_many(lambda: ask(next(it)), len(para))
     print(row(f"gateway end to end, exact {exact_seen}", exact))
     print(row(f"gateway end to end, paraphrases {seen}", semantic))
+    for clients in (1, 8):
+        await gateway_servable(args, clients)
+
+
+async def gateway_servable(args: argparse.Namespace, clients: int, rounds: int = 6,
+                           after_s: float = 0.05) -> None:
+    """What a user sees: each question in a context seen for the first time, then at once
+    the identical question, then its paraphrase ``after_s`` after the answer arrived."""
+    import uuid
+
+    import httpx
+
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    served: Counter[str] = Counter()
+    run = uuid.uuid4().hex[:8]
+    async with httpx.AsyncClient(base_url=args.gateway_url, headers=headers, timeout=60) as client:
+        async def ask(system: str, text: str, stream: bool) -> str:
+            body = {"model": args.model, "stream": stream,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}]}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for _ in resp.aiter_bytes():
+                    pass  # to the last byte, as a client does
+                return resp.headers.get("x-kvgate-cache", "-")
+
+        async def user(c: int) -> None:
+            for i in range(rounds):
+                k, stream = (c * rounds + i) % len(QUESTIONS), bool(i % 2)
+                system = f"You are assistant {run}-{c}-{i}."
+                await ask(system, QUESTIONS[k], stream)
+                done = time.perf_counter()
+                # (Never ``served[k] += await ...``: the read before the await loses updates.)
+                identical = await ask(system, QUESTIONS[k], stream) == "hit"
+                await asyncio.sleep(max(0.0, after_s - (time.perf_counter() - done)))
+                paraphrase = await ask(system, PARAPHRASES[k], stream) == "hit"
+                served["identical"] += identical
+                served["paraphrase"] += paraphrase
+
+        await asyncio.gather(*[user(c) for c in range(clients)])
+    n = clients * rounds
+    print(f"{'gateway, new contexts, ' + str(clients) + ' clients':<44} identical repeat at once: hit "
+          f"{served['identical']}/{n}; paraphrase {after_s * 1000:.0f} ms after the answer: hit "
+          f"{served['paraphrase']}/{n}")
+
+
+async def store_as_gateway(cache: SemanticCache, r: Any, answer: CachedAnswer, lookup: Any) -> tuple[float, float]:
+    """Store an answer the way kvgate's response path does; seconds until the exact
+    tier, then the semantic tier, can serve it."""
+    t0 = time.perf_counter()
+    store_exact = getattr(cache, "store_exact", None)
+    if store_exact is None:
+        # kvgate before store_exact (main at 1714303): one background task embedded the
+        # query again, then wrote the entry; both tiers became servable at its end.
+        await asyncio.ensure_future(cache.store(r, answer))
+        done = time.perf_counter() - t0
+        return done, done
+    stored = await store_exact(r, answer, lookup.embedding)
+    exact = time.perf_counter() - t0
+    if not isinstance(stored, bool):  # the vector was not ready for the first write
+        await cache.store_vector(stored)
+    return exact, time.perf_counter() - t0
+
+
+async def servable_row(args: argparse.Namespace, embedder: LocalEmbedder, clients: int, fresh: bool) -> None:
+    # A prefix of its own: the run purges everything it stored, and nothing else.
+    s = SemanticCacheSettings(enabled=True, key_prefix=f"kvgate:sc:perf-{os.getpid()}:")
+    cache = await SemanticCache.open(s, args.redis_url, embedder=embedder)
+    await cache.wait_ready(60)
+    rounds = max(1, args.n_servable // clients)
+    answer = CachedAnswer("answer", "stop", "perf")
+
+    def in_context(c: int, i: int, text: str):  # type: ignore[no-untyped-def]
+        return req("perf", text, s, system=f"You are assistant {c}-{i} for {'new' if fresh else 'old'} users.")
+
+    if not fresh:  # contexts already cached: each holds one other answer
+        for c in range(clients):
+            for i in range(rounds):
+                await cache.store(in_context(c, i, f"Unrelated question number {i} about gardening?"), answer)
+    exact_s: list[float] = []
+    semantic_s: list[float] = []
+    served: Counter[str] = Counter()
+
+    async def client(c: int) -> None:
+        for i in range(rounds):
+            k = (c * rounds + i) % len(QUESTIONS)
+            r = in_context(c, i, QUESTIONS[k])
+            lookup = await cache.lookup(r)  # a miss: the request goes upstream
+            if args.gen_ms:
+                await asyncio.sleep(args.gen_ms / 1000)
+            exact, semantic = await store_as_gateway(cache, r, answer, lookup)
+            exact_s.append(exact)
+            semantic_s.append(semantic)
+
+    await asyncio.gather(*[client(c) for c in range(clients)])
+    # Then check every answer is served, by both tiers (after the timing: these lookups
+    # embed too, and would load the embedder the timed stores wait for).
+    for c in range(clients):
+        for i in range(rounds):
+            k = (c * rounds + i) % len(QUESTIONS)
+            served["exact"] += (await cache.lookup(in_context(c, i, QUESTIONS[k]))).tier == "exact"
+            para = await cache.lookup(in_context(c, i, PARAPHRASES[k]))
+            served["semantic" if para.tier == "semantic" else f"miss:{para.reason}"] += 1
+    n = len(exact_s)
+    where = f"{'new' if fresh else 'cached'} contexts, {clients:>2} clients"
+    print(row(f"store-to-servable exact, {where}", exact_s) + f"  served {served['exact']}/{n}")
+    misses = " ".join(f"{k} {v}" for k, v in sorted(served.items()) if k.startswith("miss:"))
+    print(row(f"store-to-servable semantic, {where}", semantic_s) + f"  served {served['semantic']}/{n} {misses}")
+    await cache.purge(namespace="perf")
+    await cache.aclose()
+    await drop_log(args, s.key_prefix)
+
+
+async def redis_control(args: argparse.Namespace) -> None:
+    """The machine's Redis round trip (PING), timed like a write: an exact-tier store is one."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(args.redis_url)
+    await client.ping()
+    samples = await timed_many(client.ping, 1000)
+    await client.aclose()
+    print(row("control: Redis round trip (PING)", samples))
+
+
+async def bench_servable(args: argparse.Namespace, embedder: LocalEmbedder) -> None:
+    print(f"store-to-servable on {'Redis' if args.redis_url else 'the in-process store'}, "
+          f"generation {args.gen_ms:g} ms, load avg {os.getloadavg()[0]:.2f}")
+    if args.redis_url:
+        await redis_control(args)
+    # The embedding every semantic row waits for in new contexts, alone: scales the rows
+    # to this machine's load (all-MiniLM-L6-v2, one text, nothing else queued).
+    samples = await timed_many(lambda: embedder.embed(["How do I reset my router password?"]), 50)
+    print(row("control: one embedding, nothing else queued", samples))
+    for fresh in (False, True):
+        for clients in (int(c) for c in args.clients.split(",")):
+            await servable_row(args, embedder, clients, fresh)
 
 
 def rss_bytes() -> int:
@@ -233,7 +373,8 @@ def rss_bytes() -> int:
 
 
 async def run(args: argparse.Namespace) -> None:
-    only = set(args.only.split(",")) if args.only else {"exact", "semantic", "index", "embed", "memory"}
+    only = set(args.only.split(",")) if args.only else {"exact", "semantic", "index", "embed", "memory",
+                                                          "servable"}
     print(f"cores {os.cpu_count()}, peak RSS so far {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB")
     if args.gateway_url:
         await bench_gateway(args)
@@ -241,13 +382,15 @@ async def run(args: argparse.Namespace) -> None:
     if "exact" in only:
         await bench_exact(args)
     embedder = None
-    if only & {"semantic", "embed"}:
+    if only & {"semantic", "embed", "servable"}:
         embedder = LocalEmbedder(batch_max=32, threads=args.threads, fast=not args.no_fast)
         await embedder.start()
     if "semantic" in only and embedder is not None:
         await bench_semantic(args, embedder)
     if "embed" in only and embedder is not None:
         await bench_embed(args, embedder)
+    if "servable" in only and embedder is not None:
+        await bench_servable(args, embedder)
     if embedder is not None:
         await embedder.aclose()
     if "memory" in only:
@@ -259,10 +402,14 @@ async def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", help="run the cache on this Redis (default: in-process store)")
-    parser.add_argument("--only", help="comma-separated sections: exact,semantic,index,embed,memory")
+    parser.add_argument("--only", help="comma-separated sections: exact,semantic,index,embed,memory,servable")
     parser.add_argument("--n", type=int, default=5000, help="samples for exact and index latency")
     parser.add_argument("--n-semantic", type=int, default=300, help="samples for semantic latency")
     parser.add_argument("--n-embed", type=int, default=512, help="texts for the throughput test")
+    parser.add_argument("--n-servable", type=int, default=96, help="answers stored per servable row")
+    parser.add_argument("--clients", default="1,8,32", help="concurrent clients for the servable rows")
+    parser.add_argument("--gen-ms", type=float, default=0.0,
+                        help="servable: upstream generation time between lookup and answer (0: the worst case)")
     parser.add_argument("--million", action="store_true", help="also build a 1M-entry index (minutes, ~2.5 GB)")
     parser.add_argument("--threads", type=int, default=SemanticCacheSettings().embed_threads,
                         help="torch threads for the model")

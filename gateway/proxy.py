@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -142,11 +143,13 @@ class ProxyEndpoint:
 
     async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
         timeouts = self.rt.settings.timeouts
+        on_complete = None if ctx.cache_req is None else partial(stages.store_answer, self.rt, ctx)
         if ctx.stream:
             observer = StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
             return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
-                                      stall_s=timeouts.stall_s, started_at=ctx.started)
-        return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s)
+                                      stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete)
+        return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s,
+                                 on_complete=on_complete)
 
     def _record(self, rid: str, status: int, replica: str, tenant: str, started: float,
                 outcome: Outcome | None) -> None:

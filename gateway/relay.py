@@ -5,6 +5,10 @@ arrives (so a replica that never produces a first token becomes a clean 504,
 not a broken stream); after that every complete event is forwarded the moment
 it arrives. A failure after the first byte keeps what was sent and ends with
 one error event — never an invented ``finish_reason`` or ``[DONE]``.
+
+``on_complete`` runs once the answer is whole and before the client gets its
+final bytes (``[DONE]``, or the whole non-streamed body): the semantic cache
+writes the answer there, so a repeat sent the moment they arrive can be served.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 import orjson
@@ -41,6 +45,19 @@ class Outcome:
     ttft_s: float | None = None
     failure: str | None = None
     raw: bytes | None = None  # non-streaming body, for the cache
+
+
+OnComplete = Callable[[Outcome], Awaitable[None]]
+
+
+def _observed(outcome: Outcome, observer: StreamObserver) -> Outcome:
+    outcome.usage = observer.usage
+    outcome.text = observer.text
+    outcome.finish_reason = observer.finish_reason
+    outcome.complete = observer.complete
+    outcome.has_tool_calls = observer.has_tool_calls
+    outcome.failure = observer.failure
+    return outcome
 
 
 async def _next_chunk(it: AsyncIterator[bytes], timeout_s: float | None) -> bytes | None:
@@ -83,7 +100,7 @@ async def _drain(it: AsyncIterator[bytes], limit: int = 64 * 1024) -> None:
 
 async def relay_stream(
     response: httpx.Response, exchange: Exchange, observer: StreamObserver, *,
-    first_byte_s: float, stall_s: float, started_at: float,
+    first_byte_s: float, stall_s: float, started_at: float, on_complete: OnComplete | None = None,
 ) -> Outcome:
     outcome = Outcome()
     it = response.aiter_raw().__aiter__()
@@ -104,6 +121,8 @@ async def relay_stream(
         raise UpstreamError("replica failed before the first token") from None
     outcome.ttft_s = time.perf_counter() - started_at
     await exchange.start(200, SSE_HEADERS)
+    if observer.done and on_complete is not None:  # the whole answer came in one chunk
+        await on_complete(_observed(outcome, observer))
     await exchange.body(pending)
     per_chunk = _stall_deadline(response, stall_s)
     try:
@@ -113,6 +132,8 @@ async def relay_stream(
                 observer.finish()
                 break
             out = observer.feed(chunk)
+            if observer.done and on_complete is not None:  # [DONE] is in ``out``
+                await on_complete(_observed(outcome, observer))
             if out:
                 await exchange.body(out)
     except TimeoutError:
@@ -124,18 +145,12 @@ async def relay_stream(
     await exchange.body(b"", more=False)
     if observer.done and observer.failure is None:
         await _drain(it)
-    outcome.usage = observer.usage
-    outcome.text = observer.text
-    outcome.finish_reason = observer.finish_reason
-    outcome.complete = observer.complete
-    outcome.has_tool_calls = observer.has_tool_calls
-    outcome.failure = observer.failure
-    return outcome
+    return _observed(outcome, observer)
 
 
 async def relay_whole(
     response: httpx.Response, exchange: Exchange, *, endpoint: str, timeout_s: float,
-    max_bytes: int = 64 * 1024 * 1024,
+    max_bytes: int = 64 * 1024 * 1024, on_complete: OnComplete | None = None,
 ) -> Outcome:
     raw = bytearray()
     try:
@@ -157,6 +172,8 @@ async def relay_whole(
         raise UpstreamError("replica sent an invalid answer")
     outcome = Outcome(usage=Usage.from_obj(obj.get("usage")), raw=body)
     _observe_whole(obj, endpoint, outcome)
+    if on_complete is not None:
+        await on_complete(outcome)
     await exchange.json(200, body)
     return outcome
 

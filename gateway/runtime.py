@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 
@@ -57,8 +57,11 @@ def _redis(settings: Settings) -> redis_client.Client | None:
 class Runtime:
     def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None,
                  config_path: str | Path | None = None, span_exporter: Any = None,
-                 worker: WorkerInfo | None = None) -> None:
+                 worker: WorkerInfo | None = None, embedding_loader: Callable[[], Any] | None = None) -> None:
+        """``embedding_loader`` loads the semantic cache's local model in place of the
+        packaged one (the seam for a slow or failing load)."""
         self.settings = settings
+        self._embedding_loader = embedding_loader
         self.config_path = config_path
         self.worker = worker  # one of several worker processes (gateway.workers), or None
         # The network seam: one httpx transport. The hot path calls it directly (an
@@ -107,7 +110,8 @@ class Runtime:
 
             url = self.settings.redis_url.get_secret_value() if self.settings.redis_url else None
             self.cache = await SemanticCache.open(self.settings.semantic_cache, url, self.settings.redis_timeout_s,
-                                                  connect=redis_client.connector(url) if url else None)
+                                                  connect=redis_client.connector(url) if url else None,
+                                                  loader=self._embedding_loader)
         if self.settings.routing.dns_name:
             self.spawn(self._dns_loop())
         self._share_routing()
@@ -295,8 +299,10 @@ class Runtime:
         for part, state in self.engine.readiness().items():
             if state != "ok":
                 degraded.append(f"{part}: {state}")
-        if self.cache is not None and not self.cache.healthy:
-            degraded.append("semantic cache: store degraded, serving misses")
+        if self.cache is not None:
+            if not self.cache.healthy:
+                degraded.append("semantic cache: store degraded, serving misses")
+            degraded += self.cache.readiness()
         if self.routing_sync is not None and self.routing_sync.failing:
             degraded.append("routing facts: Redis unreachable, routing on this instance's knowledge")
         if self.shutting_down:

@@ -5,6 +5,7 @@ and the request context, called by the proxy in a fixed order.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,7 @@ async def serve_from_cache(rt: "Runtime", ctx: "RequestContext", exchange: Excha
     if lookup.status != "hit" or lookup.answer is None:
         if req.bypass_reason is None or req.store_ok:
             ctx.cache_req = req
+            ctx.cache_embedding = lookup.embedding
         return False
     row.semantic_hits += 1
     row.requests += 1
@@ -96,7 +98,7 @@ async def serve_from_cache(rt: "Runtime", ctx: "RequestContext", exchange: Excha
 
 
 def after_response(rt: "Runtime", ctx: "RequestContext", replica: str, outcome: Outcome) -> None:
-    """Account for a served answer; store it in the cache only if it is whole and clean."""
+    """Account for a served answer (``store_answer`` already cached it, if it could)."""
     row = rt.tenant_stats.row(ctx.tenant.name)
     row.requests += 1
     usage = outcome.usage
@@ -114,12 +116,19 @@ def after_response(rt: "Runtime", ctx: "RequestContext", replica: str, outcome: 
         total = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
         if total and (ctx.tenant.tpm is not None):
             rt.spawn(rt.engine.record_usage(ctx.tenant, total))
-    if (ctx.cache_req is not None and rt.cache is not None and outcome.complete and outcome.failure is None
-            and not outcome.has_tool_calls):
-        _store(rt, ctx, outcome)
 
 
-def _store(rt: "Runtime", ctx: "RequestContext", outcome: Outcome) -> None:
+async def store_answer(rt: "Runtime", ctx: "RequestContext", outcome: Outcome) -> None:
+    """Cache a whole, clean answer; the relay awaits this before the client's final bytes.
+
+    The exact-tier write is waited for (an in-process store at once, Redis one round
+    trip), at most ``store_wait_ms``: a slow Redis finishes it in the background rather
+    than hold the response. The vector follows in the background as soon as the
+    embedding the lookup started is ready."""
+    cache = rt.cache
+    if (ctx.cache_req is None or cache is None or not outcome.complete or outcome.failure is not None
+            or outcome.has_tool_calls):
+        return
     from semantic_cache import CachedAnswer
 
     usage = outcome.usage
@@ -127,6 +136,14 @@ def _store(rt: "Runtime", ctx: "RequestContext", outcome: Outcome) -> None:
                           model=ctx.model, prompt_tokens=(usage.prompt_tokens or 0) if usage else 0,
                           completion_tokens=(usage.completion_tokens or 0) if usage else 0,
                           created=int(time.time()))
-    assert rt.cache is not None
-    # Off the response path: the client already has its answer.
-    rt.spawn(rt.cache.store(ctx.cache_req, answer))
+    req, embedding = ctx.cache_req, ctx.cache_embedding
+    ctx.cache_req = ctx.cache_embedding = None  # stored once, whatever happens next
+
+    async def write() -> None:
+        assert cache is not None
+        stored = await cache.store_exact(req, answer, embedding)
+        if not isinstance(stored, bool):
+            rt.spawn(cache.store_vector(stored))
+
+    # A task, so neither the wait's bound nor a client going away cuts the write short.
+    await asyncio.wait({rt.spawn(write())}, timeout=rt.settings.semantic_cache.store_wait_ms / 1000)

@@ -4,11 +4,25 @@ Lookup order, cheapest first:
 
 1. bypass (decided purely by ``cache_request``);
 2. exact tier: one store read by the exact key, no embedding;
-3. semantic tier, only if this partition has vectors at all (a new
-   conversation skips the embedding entirely): embed the normalised query
-   (micro-batched, in a worker thread), search this partition's index, and
-   offer the best candidates above ``threshold`` to the verifier; the first it
-   accepts is re-read from the store and served.
+3. semantic tier, only if this partition has vectors or one on its way (a new
+   conversation only starts the embedding its store will need): embed the
+   normalised query (micro-batched, in a worker thread), search this
+   partition's index, and offer the best candidates above ``threshold`` to the
+   verifier; the first it accepts is re-read from the store and served.
+
+Store order, so an answer is servable as soon as possible:
+
+1. ``store_exact`` writes the entry, awaited by the response path before the
+   client's final bytes: an identical request sent the moment they arrive is an
+   exact hit. It never waits for an embedding: the vector goes in this first
+   write only if it is ready already (the lookup's, reused);
+2. ``store_vector`` (in the background) waits for the embedding the lookup
+   computed or started, never a second one of the same text, adds the vector to
+   the stored entry and indexes it: the semantic tier serves it from then on.
+   A lookup in a partition seen for the first time has nothing to search, so it
+   starts the embedding without waiting for it; it runs while the replica
+   generates and is usually ready before the answer is. A paraphrase that
+   arrives while that vector is still on its way waits for it (``inflight``).
 
 Contract: ``lookup`` and ``store`` never raise (task cancellation aside). A
 store fault, a hung Redis, an embedder error or a bug in here becomes a miss
@@ -22,6 +36,7 @@ import logging
 import secrets
 import time
 from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import httpx
@@ -29,6 +44,7 @@ import numpy as np
 
 from .embedder import Embedder, EmbedderError, HashEmbedder, LocalEmbedder, RemoteEmbedder
 from .index import VectorIndex
+from .inflight import Inflight
 from .models import CachedAnswer, CacheRequest, Entry, Lookup
 from .normalize import embedding_text
 from .redis_store import RedisStore
@@ -40,7 +56,17 @@ from .verifier import Verifier
 log = logging.getLogger("kvgate.semantic_cache")
 
 
-def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClient | None) -> Embedder:
+@dataclass(frozen=True)
+class PendingVector:
+    """An entry stored for the exact tier whose embedding is still being computed."""
+
+    entry: Entry
+    embedding: "asyncio.Future[Any]"
+
+
+def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClient | None,
+                  loader: Callable[[], Any] | None = None) -> Embedder:
+    """``loader`` replaces the packaged model's loader (the seam for a slow or failing load)."""
     wait_s = settings.batch_wait_ms / 1000
     if settings.embedder == "hash":
         return HashEmbedder()
@@ -50,8 +76,9 @@ def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClien
         return RemoteEmbedder(http_client, settings.embedding_url, settings.embedding_model,
                               batch_max=settings.batch_max, batch_wait_s=wait_s,
                               timeout_s=settings.embed_timeout_s)
+    extra = {"loader": loader} if loader is not None else {}
     return LocalEmbedder(batch_max=settings.batch_max, batch_wait_s=wait_s, name=settings.embedding_model,
-                         threads=settings.embed_threads, fast=settings.embed_fast)
+                         threads=settings.embed_threads, fast=settings.embed_fast, **extra)
 
 
 class SemanticCache:
@@ -72,6 +99,11 @@ class SemanticCache:
         self._sync: IndexSync | None = None
         self._embedder_task: asyncio.Task[None] | None = None
         self._embedder_error: str | None = None
+        self._opened_at = time.time()
+        self._ready_at: float | None = None  # when the semantic tier could first serve
+        self._ready_task: asyncio.Task[None] | None = None
+        self._embeddings: set[asyncio.Task[Any]] = set()  # started by lookups, awaited by stores
+        self._inflight = Inflight()
         self.counters: dict[str, Counter[str]] = {
             k: Counter() for k in ("lookups", "miss", "bypass", "rejected", "stores", "refused")}
 
@@ -79,16 +111,18 @@ class SemanticCache:
     async def open(cls, settings: SemanticCacheSettings, redis_url: str | None, redis_timeout_s: float = 0.25,
                    *, embedder: Embedder | None = None,
                    http_client: httpx.AsyncClient | None = None,
-                   connect: Callable[[float, float], Any] | None = None) -> "SemanticCache":
+                   connect: Callable[[float, float], Any] | None = None,
+                   loader: Callable[[], Any] | None = None) -> "SemanticCache":
         """Start the cache. Never fails because Redis is down: it starts degraded and
         reconnects by itself. The embedding model loads in the background; until it
         is ready the semantic tier is skipped (``wait_ready`` waits for it).
-        ``connect`` builds the Redis clients (``RedisStore``), e.g. for a cluster."""
+        ``connect`` builds the Redis clients (``RedisStore``), e.g. for a cluster; ``loader``
+        loads the local model instead of the packaged loader."""
         owned = None
         owns_embedder = embedder is None  # an injected embedder stays its owner's to close
         if embedder is None and settings.embedder == "remote" and http_client is None:
             http_client = owned = httpx.AsyncClient()
-        embedder = embedder or make_embedder(settings, http_client)
+        embedder = embedder or make_embedder(settings, http_client, loader)
         store: Store
         instance_id = secrets.token_hex(8)
         if redis_url:
@@ -109,7 +143,14 @@ class SemanticCache:
                                     resync_interval_s=settings.resync_interval_s,
                                     retry_s=settings.probe_interval_s)
             cache._sync.start()
+        cache._ready_task = asyncio.get_running_loop().create_task(cache._note_ready())
         return cache
+
+    async def _note_ready(self) -> None:
+        while not await self.wait_ready(3600):
+            if self._embedder_error is not None:
+                return
+        self._ready_at = time.time()
 
     async def _start_embedder(self) -> None:
         try:
@@ -133,6 +174,22 @@ class SemanticCache:
     @property
     def healthy(self) -> bool:
         return self._store.healthy
+
+    def readiness(self) -> list[str]:
+        """Why the semantic tier cannot serve yet (empty: it can, or it is switched off)."""
+        if not self.settings.semantic_enabled:
+            return []
+        if self._embedder_error is not None:
+            return [f"semantic cache: embedding model failed to load, exact tier only: {self._embedder_error}"]
+        if not self._embedder.ready:
+            return ["semantic cache: embedding model loading"]
+        if self._sync is not None and not self._sync.synced.is_set() and self._store.healthy:
+            return ["semantic cache: index loading from Redis"]
+        return []
+
+    async def settled(self) -> None:
+        """Wait until every stored answer's vector is written and indexed (tests, benchmarks)."""
+        await self._inflight.idle()
 
     # ---- catalog: what this instance knows is in the store (IndexSink) ----
 
@@ -210,14 +267,28 @@ class SemanticCache:
             return Lookup("hit", answer=entry.answer, similarity=1.0, tier="exact")
         if not req.semantic:
             return Lookup("miss", reason="no_exact_match")
-        if not self._index.has_partition(req.partition):
-            return Lookup("miss", reason="empty_partition")
-        if not self._embedder.ready:
+        partition_known = self._index.has_partition(req.partition)
+        if not partition_known and not (self._inflight.pending(req.partition) and self._embedder.ready):
+            # Nothing to search, but the answer will be stored: start its embedding now,
+            # while the replica generates, and hand it to the store (never embed it twice).
+            return Lookup("miss", reason="empty_partition", embedding=self._embed_soon(req.query))
+        embedding = self._embed_soon(req.query)
+        if embedding is None:
             return Lookup("miss", reason="embedder_not_ready")
-        vector = await self._embed(req.query)
+        # Bounded for the first token's sake; a busy model keeps embedding past the bound
+        # for the store, which would otherwise embed the same text a second time.
+        await asyncio.wait({embedding}, timeout=self.settings.embed_timeout_s)
+        if not embedding.done():
+            return Lookup("miss", reason="embedder_timeout", embedding=embedding)
+        vector = embedding.result()
         if vector is None:
             return Lookup("miss", reason="embedder_error")
-        return await self._semantic(req, vector)
+        if not partition_known:
+            # A first answer of this context waits for its vector, queued before ours:
+            # wait for it too, and a paraphrase asked right after that answer is served.
+            await self._inflight.wait(req.partition, self.settings.embed_timeout_s)
+        result = await self._semantic(req, vector)
+        return replace(result, embedding=vector) if result.status == "miss" else result
 
     async def _semantic(self, req: CacheRequest, vector: Any) -> Lookup:
         s = self.settings
@@ -247,12 +318,30 @@ class SemanticCache:
         return (entry.partition == req.partition and entry.namespace == req.namespace
                 and entry.model == req.model and entry.endpoint == req.endpoint)
 
-    async def _embed(self, query: str) -> Any:
+    async def _embed(self, query: str, timeout_s: float | None = None) -> Any:
         try:
-            async with asyncio.timeout(self.settings.embed_timeout_s):
+            async with asyncio.timeout(timeout_s or self.settings.embed_timeout_s):
                 return (await self._embedder.embed([embedding_text(query)]))[0]
         except (EmbedderError, TimeoutError):
             return None
+
+    async def _embed_quietly(self, query: str) -> Any:
+        try:
+            # No first token waits on this one (only the vector write does): a busy
+            # embedder gets ten times the lookup's bound before the entry stays exact-only.
+            return await self._embed(query, 10 * self.settings.embed_timeout_s)
+        except Exception:  # nobody may ever await this task: a fault must not go unretrieved
+            log.exception("semantic cache embedding failed")
+            return None
+
+    def _embed_soon(self, query: str) -> "asyncio.Task[Any] | None":
+        """The query's embedding, started now and awaited later (None: no embedder)."""
+        if not self._embedder.ready:
+            return None
+        task = asyncio.get_running_loop().create_task(self._embed_quietly(query))
+        self._embeddings.add(task)
+        task.add_done_callback(self._embeddings.discard)
+        return task
 
     # ---- store ----
 
@@ -276,8 +365,22 @@ class SemanticCache:
             return "too_large"
         return None
 
-    async def store(self, req: CacheRequest, answer: CachedAnswer) -> bool:
-        """Store a complete, successful answer. Never raises; False when refused or failed."""
+    async def store(self, req: CacheRequest, answer: CachedAnswer, embedding: Any = None) -> bool:
+        """``store_exact`` then ``store_vector``, both awaited. Never raises; False when
+        refused or failed (a failed vector still leaves the exact-tier entry)."""
+        stored = await self.store_exact(req, answer, embedding)
+        if isinstance(stored, PendingVector):
+            return await self.store_vector(stored)
+        return stored
+
+    async def store_exact(self, req: CacheRequest, answer: CachedAnswer,
+                          embedding: Any = None) -> "PendingVector | bool":
+        """Store a complete, successful answer for the exact tier at once; with its vector
+        only if ``embedding`` (what ``Lookup.embedding`` carried) is ready already.
+
+        Returns False (refused or failed), True (stored, nothing left to do) or what
+        ``store_vector`` must finish for the semantic tier. Never raises, never waits
+        for an embedding."""
         try:
             reason = self.refusal(req, answer)
             if reason is not None:
@@ -286,9 +389,7 @@ class SemanticCache:
             if not self._store.healthy:
                 self.counters["stores"]["failed:store_degraded"] += 1
                 return False
-            vector = None
-            if req.semantic and self._embedder.ready:
-                vector = await self._embed(req.query)  # None: stored for the exact tier only
+            vector, later = self._vector_now(req, embedding)
             now = time.time()
             entry = Entry(id=req.exact_key, namespace=req.namespace, model=req.model,
                           partition=req.partition, endpoint=req.endpoint, query=req.query, answer=answer,
@@ -299,12 +400,57 @@ class SemanticCache:
             self.counters["stores"]["evicted"] += len(evicted)
             self.remember(entry)
             self.counters["stores"]["ok"] += 1
-            return True
+            if later is None:
+                return True
+            self._inflight.add(entry.partition)
+            return PendingVector(entry, later)
         except StoreUnavailable:
             self.counters["stores"]["failed:store_unavailable"] += 1
         except Exception:
             log.exception("semantic cache store failed")
             self.counters["stores"]["failed:error"] += 1
+        return False
+
+    def _vector_now(self, req: CacheRequest, embedding: Any) -> tuple[Any, "asyncio.Future[Any] | None"]:
+        """(the vector if ready, else the embedding still to wait for)."""
+        if not req.semantic:
+            return None, None
+        if isinstance(embedding, asyncio.Future):
+            if not embedding.done():
+                return None, embedding
+            failed = embedding.cancelled() or embedding.exception() is not None
+            embedding = None if failed else embedding.result()
+            if embedding is not None:
+                return embedding, None
+        elif embedding is not None:
+            return embedding, None
+        return None, self._embed_soon(req.query)  # no usable embedding from the lookup
+
+    async def store_vector(self, pending: PendingVector) -> bool:
+        """Add the vector to an entry ``store_exact`` wrote, then index it. Never raises;
+        False when there is no vector or the entry is gone (expired, evicted, purged)."""
+        try:
+            vector = await pending.embedding
+            if vector is None:
+                self.counters["stores"]["vector_failed:embedder"] += 1
+                return False
+            entry = replace(pending.entry, vector=vector)
+            if not await self._store.set_vector(entry):
+                # Replaced (the same request stored again: its own vector follows), expired,
+                # evicted or purged meanwhile: nothing to add to, and nothing went wrong.
+                self.counters["stores"]["vector_dropped"] += 1
+                return False
+            if entry.id in self._known:  # not forgotten (purged, evicted) meanwhile
+                self.remember(entry)
+            self.counters["stores"]["vector_ok"] += 1
+            return True
+        except StoreUnavailable:
+            self.counters["stores"]["vector_failed:store_unavailable"] += 1
+        except Exception:
+            log.exception("semantic cache vector store failed")
+            self.counters["stores"]["vector_failed:error"] += 1
+        finally:
+            self._inflight.done(pending.entry.partition)
         return False
 
     # ---- admin ----
@@ -327,6 +473,10 @@ class SemanticCache:
             "embedder": self._embedder.name,
             "embedder_ready": self._embedder.ready,
             "embedder_error": self._embedder_error,
+            # When the semantic tier could first serve (unix time; None while loading).
+            "ready_at": self._ready_at,
+            "ready_after_s": round(self._ready_at - self._opened_at, 3) if self._ready_at else None,
+            "vectors_pending": len(self._inflight),
             "threshold": self.settings.threshold,
             "verifier": self._verifier is not None,
             "entries": dict(self._ns_counts),
@@ -349,8 +499,9 @@ class SemanticCache:
     async def aclose(self) -> None:
         if self._sync is not None:
             await self._sync.aclose()
-        if self._embedder_task is not None and not self._embedder_task.done():
-            self._embedder_task.cancel()
+        for task in (self._embedder_task, self._ready_task, *self._embeddings):
+            if task is not None and not task.done():
+                task.cancel()
         if self._owns_embedder:
             await self._embedder.aclose()
         await self._store.aclose()

@@ -71,6 +71,9 @@ class Lookup:
     tier: Literal["exact", "semantic"] | None = None
     # Why it was a miss or bypass (e.g. "no_candidate", "verifier:number", "store_degraded").
     reason: str | None = None
+    # On a miss: the query's embedding (a vector, or a future of one, or None), for the
+    # store to reuse instead of embedding the same text again.
+    embedding: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -4,14 +4,14 @@ Layout (``P`` = ``settings.key_prefix``, default ``kvgate:sc:``):
 
 * ``P e:<id>``      hash: the entry (see ``store.encode_entry``), with a TTL.
 * ``P ns:<ns>``     sorted set: entry ids of a namespace scored by last use
-                    (the ``_EVICT`` script trims the least recently used).
+                    (``_PUT`` trims the least recently used).
 * ``P namespaces``  set of namespaces (purge-all, rebuild).
 * ``P log``         stream of ``add``/``del`` events, capped; instances tail it
                     to keep their in-memory indexes in sync within a second.
 
 On a Redis Cluster (``connect`` returns a ``RedisCluster``) ``P`` becomes a hash
-tag, ``{kvgate:sc:}``: every key above shares one slot, so the MULTI in ``put``
-and the eviction script stay atomic. The cache then lives on one shard (it does
+tag, ``{kvgate:sc:}``: every key above shares one slot, so the scripts in
+``put`` and ``set_vector`` stay atomic. The cache then lives on one shard (it does
 not spread over the cluster); the stream is one key anyway.
 
 Faults. Every call is bounded by the client's socket timeouts (connect and
@@ -30,6 +30,7 @@ import asyncio
 import time
 from typing import Any, Callable
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -43,16 +44,40 @@ from .store import PurgeFilter, StoreUnavailable, decode_entry, encode_entry
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError, TimeoutError)
 _CHUNK = 256
 
-# Keep the ``cap`` most recently used ids of a namespace; delete the rest with their hashes.
-_EVICT = """
-local cap = tonumber(ARGV[1])
-local victims = redis.call('ZRANGE', KEYS[1], 0, -(cap + 1))
-if #victims == 0 then return victims end
-redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(cap + 1))
-for _, id in ipairs(victims) do redis.call('DEL', ARGV[2] .. id) end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'op', 'del', 'id', table.concat(victims, ' '),
-           'src', ARGV[3])
+# Store one entry and keep its namespace within ``cap``, in one atomic step (one round trip,
+# and one command for the client to encode instead of a seven-command MULTI: the write a
+# response waits for). A replaced entry must not keep an old vector field, so DEL first.
+# Concurrent puts that each saw "over the cap" must not each evict their own surplus (that
+# empties a namespace), and an evicted id loses its hash in the same step, before another
+# put can re-create it. Returns the evicted ids.
+_PUT = """
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+redis.call('EXPIREAT', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'op', 'add', 'id', ARGV[3], 'src', ARGV[5])
+local cap = tonumber(ARGV[7])
+if redis.call('ZCARD', KEYS[2]) <= cap then return {} end
+local victims = redis.call('ZRANGE', KEYS[2], 0, -(cap + 1))
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -(cap + 1))
+for _, id in ipairs(victims) do redis.call('DEL', ARGV[8] .. id) end
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'op', 'del', 'id', table.concat(victims, ' '),
+           'src', ARGV[5])
 return victims
+"""
+
+# Add a vector to an entry only if it is still the version written (same ``created``, same
+# embedder): a hash that expired, was evicted, purged or replaced meanwhile is not touched
+# (HSET on a missing key would re-create a partial entry). Logged as an "add": other
+# instances fetch the entry again, now with its vector.
+_SET_VECTOR = """
+if redis.call('HGET', KEYS[1], 'created') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'emb') ~= ARGV[2] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'vec', ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'op', 'add', 'id', ARGV[4], 'src', ARGV[5])
+return 1
 """
 
 
@@ -226,29 +251,22 @@ class RedisStore:
         return entry
 
     async def put(self, entry: Entry, cap: int) -> list[str]:
-        ekey, nskey = self._k("e:", entry.id), self._k("ns:", entry.namespace)
-
-        async def op(r: aioredis.Redis) -> Any:
-            pipe = r.pipeline(transaction=True)
-            pipe.delete(ekey)  # a replaced entry must not keep an old vector field
-            pipe.hset(ekey, mapping=encode_entry(entry, self._embedder))  # type: ignore[arg-type]
-            pipe.expireat(ekey, int(entry.expires_at) + 1)
-            pipe.zadd(nskey, {entry.id: time.time()})
-            pipe.sadd(self._k("namespaces"), entry.namespace)
-            pipe.xadd(self._k("log"), {"op": "add", "id": entry.id, "src": self._me},
-                      maxlen=self._maxlen, approximate=True)
-            pipe.zcard(nskey)
-            return await pipe.execute()
-
-        card = (await self._call(op))[-1]
-        if card <= cap:
-            return []
-        # One atomic script: concurrent puts that each saw "over the cap" must not each
-        # evict their own surplus (that empties a namespace), and an evicted id must lose
-        # its hash in the same step, before another put can re-create it.
-        victims = await self._call(lambda r: r.eval(
-            _EVICT, 2, nskey, self._k("log"), cap, self._k("e:"), self._me, self._maxlen))
+        fields = encode_entry(entry, self._embedder)
+        flat = [x for pair in fields.items() for x in pair]
+        keys = [self._k("e:", entry.id), self._k("ns:", entry.namespace), self._k("namespaces"), self._k("log")]
+        args = [int(entry.expires_at) + 1, repr(time.time()), entry.id, entry.namespace, self._me, self._maxlen,
+                cap, self._k("e:"), *flat]
+        victims = await self._call(lambda r: r.eval(_PUT, len(keys), *keys, *args))
         return [v.decode() if isinstance(v, bytes) else str(v) for v in victims]
+
+    async def set_vector(self, entry: Entry) -> bool:
+        if entry.vector is None:
+            return False
+        vec = np.ascontiguousarray(entry.vector, dtype=np.float32).tobytes()
+        done = await self._call(lambda r: r.eval(
+            _SET_VECTOR, 2, self._k("e:", entry.id), self._k("log"), repr(entry.created), self._embedder,
+            vec, entry.id, self._me, self._maxlen))
+        return bool(done)
 
     async def _delete(self, ids: list[str]) -> None:
         for i in range(0, len(ids), _CHUNK):

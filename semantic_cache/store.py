@@ -51,6 +51,10 @@ class Store(Protocol):
     async def put(self, entry: Entry, cap: int) -> list[str]:
         """Store or replace; return ids evicted to keep the namespace within ``cap``."""
 
+    async def set_vector(self, entry: Entry) -> bool:
+        """Add ``entry.vector`` to the stored entry of the same id and version (``created``);
+        False, and nothing written, when that entry is gone or was replaced."""
+
     async def purge(self, flt: PurgeFilter) -> list[str]:
         """Delete matching entries; return their ids."""
 
@@ -126,6 +130,13 @@ class MemoryStore:
             self._drop(oldest)
             evicted.append(oldest)
         return evicted
+
+    async def set_vector(self, entry: Entry) -> bool:
+        current = self._entries.get(entry.id)
+        if current is None or current.created != entry.created or current.expires_at <= time.time():
+            return False
+        current.vector = entry.vector
+        return True
 
     def _expire(self, namespace: str) -> list[str]:
         now = time.time()

@@ -10,7 +10,9 @@ from typing import AsyncIterator, Awaitable, Callable
 import pytest
 import redis
 
-from semantic_cache import CachedAnswer, SemanticCache, SemanticCacheSettings, cache_request
+from semantic_cache import CachedAnswer, HashEmbedder, SemanticCache, SemanticCacheSettings, cache_request
+from semantic_cache.cache import PendingVector
+from semantic_cache.normalize import embedding_text
 
 pytestmark = pytest.mark.anyio
 
@@ -200,6 +202,45 @@ async def test_two_instances_share_entries_within_a_second(make_cache: Make) -> 
     await asyncio.sleep(0.3)
     assert (await a.lookup(chat_req("how do I install packages in python"))).status == "miss"
     assert a.stats()["indexed_vectors"] == 0
+
+
+@pytest.mark.parametrize("backend", ["redis", "memory"])
+async def test_a_vector_added_after_the_exact_write_is_shared_and_never_revives_a_gone_entry(
+        make_cache: Make, redis_service: str, backend: str) -> None:
+    """store_exact serves the exact tier at once; store_vector adds the semantic tier later,
+    here and (through the change log) on other instances, but never to an entry that went."""
+    url = redis_service if backend == "redis" else None
+    a = await make_cache(url)
+    b = await make_cache(url) if backend == "redis" else None  # tails a's change log
+    vector = HashEmbedder().encode([embedding_text(chat_req("How do I install packages in Python?").query)])[0]
+    paraphrase = chat_req("how do I install packages in python")
+    req = chat_req("How do I install packages in Python?")
+    later: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+    stored = await a.store_exact(req, ANSWER, later)
+    assert isinstance(stored, PendingVector)
+    assert (await a.lookup(req)).tier == "exact" and (await a.lookup(paraphrase)).tier is None
+    later.set_result(vector)
+    assert await a.store_vector(stored)
+    assert (await a.lookup(paraphrase)).tier == "semantic"
+    if b is not None:  # the vector's "add" event: b fetches the entry again, now indexed
+        deadline = time.monotonic() + 2.0
+        while (await b.lookup(paraphrase)).tier != "semantic" and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert (await b.lookup(paraphrase)).tier == "semantic"
+    # Purged while its embedding was still running: the vector write must not bring it back.
+    gone = chat_req("How do I upgrade pip?")
+    later = asyncio.get_running_loop().create_future()
+    stored = await a.store_exact(gone, ANSWER, later)
+    assert isinstance(stored, PendingVector)
+    assert await a.purge(namespace="t1") == 2
+    later.set_result(vector)
+    assert not await a.store_vector(stored)
+    assert a.stats()["stores"]["vector_dropped"] == 1 and a.stats()["indexed_vectors"] == 0
+    assert (await a.lookup(gone)).status == "miss"
+    if backend == "redis":
+        client = redis.Redis.from_url(redis_service)
+        assert not client.keys(f"{a.settings.key_prefix}e:*")
+        client.close()
 
 
 async def test_new_instance_rebuilds_index_from_redis(make_cache: Make) -> None:

@@ -243,3 +243,38 @@ async def test_cache_starts_before_the_model_is_loaded() -> None:
         gate.set()
         await cache.aclose()
         await emb.aclose()
+
+
+async def test_a_lookup_that_gives_up_on_a_slow_model_hands_its_embedding_to_the_store() -> None:
+    """The lookup's bound protects the first token; the store then reuses the embedding the
+    model finished meanwhile instead of queueing the same text a second time."""
+    from semantic_cache import CachedAnswer, SemanticCache, SemanticCacheSettings, cache_request
+
+    hashing = HashEmbedder(dim=32)
+
+    class SlowModel:  # the model is the outside edge: a slow CPU, not our code
+        def encode(self, texts: list[str], **_: object) -> np.ndarray:
+            time.sleep(0.3)
+            return hashing.encode(texts)
+
+    s = SemanticCacheSettings(enabled=True, threshold=0.5, embed_timeout_s=0.1)
+    emb = LocalEmbedder(loader=SlowModel, threads=None)
+    cache = await SemanticCache.open(s, None, embedder=emb)
+
+    def req(q: str):  # type: ignore[no-untyped-def]
+        return cache_request("chat", "t", {"model": "m", "messages": [{"role": "user", "content": q}]}, {},
+                             settings=s)
+
+    try:
+        assert await cache.wait_ready(5)
+        assert await cache.store(req("How do I learn Python fast?"), CachedAnswer("Practice.", "stop", "m"))
+        texts = emb.batcher.texts
+        lookup = await cache.lookup(req("How do I learn Go fast?"))  # a partition with vectors: embeds
+        assert (lookup.status, lookup.reason) == ("miss", "embedder_timeout")
+        assert await cache.store(req("How do I learn Go fast?"), CachedAnswer("Practice.", "stop", "m"),
+                                 lookup.embedding)
+        assert emb.batcher.texts - texts == 1
+        assert cache.stats()["indexed_vectors"] == 2
+    finally:
+        await cache.aclose()
+        await emb.aclose()

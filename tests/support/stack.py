@@ -72,8 +72,11 @@ class Stack:
 
 
 def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[str, dict[str, Any]] | None = None,
-                admin_token: str | None = None, span_exporter: Any = None, **overrides: Any) -> Stack:
-    """Start ``n`` simulated replicas r1..rN and a kvgate routing to them."""
+                admin_token: str | None = None, span_exporter: Any = None, embedding_loader: Any = None,
+                **overrides: Any) -> Stack:
+    """Start ``n`` simulated replicas r1..rN and a kvgate routing to them.
+
+    ``embedding_loader`` replaces the semantic cache's model loader (see ``Runtime``)."""
     sims: dict[str, ServerThread] = {}
     for i in range(n):
         name = f"r{i + 1}"
@@ -87,7 +90,8 @@ def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[
     if admin_token is not None:
         base["admin"] = {"token": admin_token}
     settings = load_settings(environ={}, overrides=_merge(base, overrides))
-    app = build_app(settings, runtime=Runtime(settings, span_exporter=span_exporter))
+    app = build_app(settings, runtime=Runtime(settings, span_exporter=span_exporter,
+                                              embedding_loader=embedding_loader))
     gateway = ServerThread(app).start()
     admin_server = None
     if admin_token is not None:
