@@ -6,7 +6,6 @@ import math
 import random
 
 from routing import RouteFeedback, RouteRequest, RoutingSettings
-from routing.backlog import Backlog
 from routing.cost_model import CostModel as PrefixAffinity
 from routing.rendezvous import rendezvous_order
 
@@ -41,20 +40,6 @@ def served(policy: PrefixAffinity, request: RouteRequest, replicas: list[View]) 
 def cap(loads: list[int], epsilon: float) -> int:
     """ceil((1 + epsilon) x mean in flight, the new request included)."""
     return max(1, math.ceil((1 + epsilon) * (sum(loads) + 1) / len(loads) - 1e-9))
-
-
-def test_the_backlog_drains_at_the_prefill_rate() -> None:
-    clock = Clock()
-    backlog = Backlog(1000.0, clock)
-    backlog.add("a", 1500)
-    assert backlog.get("a") == 1500 and backlog.get("b") == 0
-    clock.t = 1.0
-    assert backlog.get("a") == 500
-    backlog.add("a", 100)
-    clock.t = 1.5
-    assert backlog.get("a") == 100
-    clock.t = 9.0
-    assert backlog.get("a") == 0
 
 
 def test_the_bound_holds_at_every_decision_under_seeded_concurrent_load() -> None:
