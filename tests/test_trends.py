@@ -93,6 +93,8 @@ def test_admin_trends_over_a_real_listener(stack: Stack) -> None:
         return [x for x in httpx.get(url, headers=auth, timeout=5).json()["samples"] if x["requests_per_s"] > 0]
 
     assert stack.wait_for(lambda: bool(busy()), timeout=5)
+    # Two samples at least, so that the spacing between them can be checked.
+    assert stack.wait_for(lambda: len(httpx.get(url, headers=auth, timeout=5).json()["samples"]) >= 2, timeout=5)
     body = httpx.get(url, headers=auth, timeout=5).json()
     assert body["interval_s"] == 0.2 and body["capacity"] == 50 and len(body["samples"]) <= 50
     ts = [x["t"] for x in body["samples"]]
