@@ -146,7 +146,9 @@ class RedisProc:
 
 
 @dataclass
-class Kvgate:
+class LocalServer:
+    """A server started as its own process on a loopback port, with its log."""
+
     port: int
     proc: subprocess.Popen[bytes]
     log_path: Path
@@ -164,6 +166,10 @@ class Kvgate:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+class Kvgate(LocalServer):
+    """A kvgate process (``start_kvgate``)."""
 
 
 def start_kvgate(workdir: Path, config: dict[str, Any], *, timeout: float = 60.0) -> Kvgate:

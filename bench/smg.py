@@ -16,12 +16,11 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from bench.chaos_fleet import HOST, _kill, free_port
+from bench.chaos_fleet import HOST, LocalServer, _kill, free_port
 
 __all__ = ["Smg", "smg_binary", "start_smg", "SMG_POLICIES"]
 
@@ -34,21 +33,8 @@ def smg_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("smg")
 
 
-@dataclass
-class Smg:
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+class Smg(LocalServer):
+    """An SGLang model gateway process (``start_smg``)."""
 
 
 def start_smg(policy: str, worker_urls: list[str], workdir: Path, *, timeout: float = 60.0) -> Smg:

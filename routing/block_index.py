@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import OrderedDict
-from typing import Sequence
+from itertools import chain
+from typing import Iterable, Sequence
 
 __all__ = ["BlockIndex", "sampled_positions"]
 
@@ -70,10 +71,10 @@ class BlockIndex:
         """Record that replica ``bit`` holds every block of ``hashes``."""
         flag = 1 << bit
         entries = self._entries
-        upto = self._upto(len(hashes))
-        at = [self._positions[j] for j in range(upto)]
-        if at and self._tails:
-            at.extend(range(at[-1] + 1, len(hashes)))  # the tail: exact depth for the next turn
+        sampled = self._positions[: self._upto(len(hashes))]
+        at: Iterable[int] = sampled
+        if sampled and self._tails:
+            at = chain(sampled, range(sampled[-1] + 1, len(hashes)))  # the tail: exact depth for the next turn
         for p in at:
             h = hashes[p]
             mask = entries.get(h)

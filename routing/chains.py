@@ -68,7 +68,7 @@ class ChainCache:
             self.hits += 1
             self._entries.move_to_end(known[0])
             out = known[1].tolist()
-            out.extend(_continue(data, out[-1], block, len(out), n))
+            out.extend(chain_hashes(data, out[-1], block, max_blocks, start=len(out)))
         for k in keys:
             if k not in self._entries:
                 self._store(k, out[: k[1]])
@@ -88,13 +88,3 @@ def _boundaries(spans: Sequence[Span]) -> list[int]:
         return []
     return [spans[0].end, spans[-2].end]
 
-
-def _continue(data: bytes, parent: int, block: int, start: int, n: int) -> list[int]:
-    """The chain's blocks ``start``..``n - 1``, continuing from ``parent``."""
-    xxh = xxhash.xxh3_64_intdigest
-    out: list[int] = []
-    h = parent
-    for off in range(start * block, n * block, block):
-        h = xxh(data[off : off + block], h)
-        out.append(h)
-    return out

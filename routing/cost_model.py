@@ -35,17 +35,17 @@ go to the back of the order (least loaded first) so that retries still have
 somewhere to go.
 
 **The tie-break and the home.** The request's key (``routing.keys``: the
-shallowest prefix that one replica can own, such as an organisation's policies or
-a conversation's first turn) orders the replicas by rendezvous hashing, the
-same order on every instance. Of equal costs, the replica where the request
-adds less prefill goes first (the fleet does less work for the same wait), then
-that order. And when this
-instance knows of no replica holding the key, it presumes that the key's *home*
-(the first of that order) holds it: every instance sends a key home unless the
-cost says otherwise, so that is where a key this instance has not seen most
-likely lives. That one presumption is what lets instances that share nothing
-agree on where a conversation lives: its first turn goes home from any of them,
-so its later turns, reaching any of them, find it there.
+shallowest cut at a message end or an explicit boundary that one replica can
+own, such as a conversation's first turn) orders the replicas by rendezvous
+hashing, the same order on every instance. Of equal costs, the replica where the
+request adds less prefill goes first (the fleet does less work for the same
+wait), then that order. When this instance knows of no replica holding the key,
+the key's *home* (the first of that order) is presumed to hold the request's
+context (everything before its last message) with the chance that another
+instance sent it there: the others' share of the queues the replicas report,
+none for a lone instance. Every instance sends a key home unless the cost says
+otherwise, so that is where a conversation this instance has not seen most
+likely lives; that presumption is what lets instances that share nothing agree.
 
 What the cost replaces: a context stays where its prefix is warm because that
 replica's cost is lower by the prefix's prefill (hysteresis with a reason); a
@@ -68,13 +68,12 @@ from .base import ReplicaView, RouteFeedback, RouteRequest, load_now, reported
 from .block_index import BlockIndex
 from .gossip import HELD, PLACED, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
-from .prefix_affinity import ReplicaBits
+from .prefix_affinity import MAX_REPLICA_IDS, ReplicaBits
 from .rendezvous import rendezvous_order, within_bound
 from .settings import RoutingSettings
 
 __all__ = ["CostModel"]
 
-_MAX_REPLICA_IDS = 4096
 # Where a request was sent, in its scratch: a retry elsewhere is news for ``observe``.
 _SENT = "kvgate.sent"
 
@@ -117,7 +116,7 @@ class CostModel:
         if request.scratch.get(_SENT) == feedback.replica:
             return  # recorded when it was sent there
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
-        bit = self._bit(feedback.replica)
+        bit = self.bits.bit_for(feedback.replica, self.index)
         if self.gossip is not None and not self.index.holders(route.key) >> bit & 1:
             self.gossip.note(HELD, route.key, feedback.replica)  # news to this instance, so to others
         self._hold(info, route, bit)
@@ -127,7 +126,7 @@ class CostModel:
         _, key, replica = fact
         if self.gossip is not None:
             self.gossip.applied += 1
-        self.index.add_key(key, self._bit(replica))
+        self.index.add_key(key, self.bits.bit_for(replica, self.index))
 
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided on its own."""
@@ -139,14 +138,6 @@ class CostModel:
         return out
 
     # -- internals ---------------------------------------------------------------------
-    def _bit(self, replica: str) -> int:
-        if self.bits.full() and self.bits.get(replica) is None:
-            # Replica names churned past the id space (DNS pods coming and going):
-            # start the index afresh rather than grow without bound.
-            self.bits.clear()
-            self.index.clear()
-        return self.bits.bit(replica)
-
     def _hold(self, info: PrefixInfo, route: RouteKey, bit: int) -> None:
         """Record that replica ``bit`` holds (or is about to hold) the request's prompt."""
         self.index.add(info.hashes, bit)
@@ -155,7 +146,7 @@ class CostModel:
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
         if len(replicas) < 2:
             return list(replicas)
-        if len(self._salts) > _MAX_REPLICA_IDS:
+        if len(self._salts) > MAX_REPLICA_IDS:
             self._salts.clear()
         info = analyse(request, self.settings, self.keyer.chains)
         route = self.keyer.key_for(request, len(replicas), learn=learn)
@@ -177,11 +168,7 @@ class CostModel:
         prompt = len(info.rendered.data)
         typical = self._work_sum / self.decisions if self.decisions else prompt / CHARS_PER_TOKEN
         # Replicas known to hold the key hold its prefix (another instance may have said
-        # so, without the blocks). If none is known, the home holds the request's context
-        # with the chance that another instance sent it there (the others' share of what
-        # the replicas report): none for a lone instance.
-        # That context is everything before the last message: another instance sent this
-        # conversation's previous turns there, if it had any.
+        # so, without the blocks); if none is, the home is presumed to (module doc).
         holders = self.index.holders(route.key)
         spans = info.rendered.spans
         context = max(route.cut, spans[-1].start if len(spans) > 1 else 0)
@@ -209,7 +196,7 @@ class CostModel:
         self.backlog.add(chosen.name, uncached)
         self._work_sum += uncached
         self.decisions += 1
-        bit = self._bit(chosen.name)
+        bit = self.bits.bit_for(chosen.name, self.index)
         if chosen is not home:
             self.moved += 1
             if self.gossip is not None and not self.index.holders(route.key):

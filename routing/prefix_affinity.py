@@ -68,7 +68,7 @@ _GAIN_RATIO = 1.5
 # Index trust per replica: an EWMA of reported / predicted cached tokens.
 _TRUST_ALPHA = 0.1
 _MIN_TRUST = 0.5
-_MAX_REPLICA_IDS = 4096
+MAX_REPLICA_IDS = 4096
 # Contexts whose last replica is remembered (about 1 MB): a fleet's active twins and chats.
 _MAX_CONTEXTS = 65_536
 # Below these many requests over the mean, a replica is never skipped: at a few
@@ -112,17 +112,17 @@ class ReplicaBits:
     def get(self, name: str) -> int | None:
         return self._ids.get(name)
 
-    def bit(self, name: str) -> int:
+    def bit_for(self, name: str, index: BlockIndex) -> int:
+        """``name``'s id, made on first sight. Past the id space (DNS pods coming and
+        going) every id and ``index``, which is written in them, start afresh rather
+        than grow without bound."""
         b = self._ids.get(name)
         if b is None:
+            if len(self._ids) >= MAX_REPLICA_IDS:
+                self._ids.clear()
+                index.clear()
             b = self._ids[name] = len(self._ids)
         return b
-
-    def full(self) -> bool:
-        return len(self._ids) >= _MAX_REPLICA_IDS
-
-    def clear(self) -> None:
-        self._ids.clear()
 
 
 class PrefixAffinity:
@@ -162,7 +162,7 @@ class PrefixAffinity:
         info = analyse(request, self.settings, self.keyer.chains)
         if not info.hashes:
             return
-        bit = self._bit(feedback.replica)
+        bit = self.bits.bit_for(feedback.replica, self.index)
         # The key this instance routed on (a peek if the request came another way),
         # the request's context, and for chat its first turn (the context of its
         # next turns; a completions prompt has no turns to come back to).
@@ -184,15 +184,7 @@ class PrefixAffinity:
             self.gossip.applied += 1
         # Either kind: a key another instance placed is, for this one, held there (its
         # prefill is under way; the next turn may come here before the answer is back).
-        self.index.add_key(key, self._bit(replica))
-
-    def _bit(self, replica: str) -> int:
-        if self.bits.full() and self.bits.get(replica) is None:
-            # Replica names churned past the id space (DNS pods coming and going):
-            # start the index afresh rather than grow without bound.
-            self.bits.clear()
-            self.index.clear()
-        return self.bits.bit(replica)
+        self.index.add_key(key, self.bits.bit_for(replica, self.index))
 
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided on its own."""
@@ -207,7 +199,7 @@ class PrefixAffinity:
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
         if len(replicas) < 2:
             return list(replicas)
-        if len(self._salts) > _MAX_REPLICA_IDS:
+        if len(self._salts) > MAX_REPLICA_IDS:
             self._salts.clear()
         route = self.keyer.key_for(request, len(replicas), learn=learn)
         key, context = route.key, route.context

@@ -13,9 +13,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support.procs import start_kvgate
+from tests.support.procs import sim_process, start_kvgate
 from tests.support.servers import free_port
-from vllm_sim.process import start_sim_process
 
 MODEL = "sim-model"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 30}
@@ -23,11 +22,8 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a stor
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[str]:
-    port = free_port()
-    proc = start_sim_process(port, decode_base_s=0.03, decode_s_per_seq=0.0, model=MODEL)
-    yield f"http://127.0.0.1:{port}"
-    proc.kill()
-    proc.wait(5)
+    with sim_process(MODEL, decode_base_s=0.03, decode_s_per_seq=0.0) as url:  # streams last long enough
+        yield url
 
 
 def _config(port: int, sim: str, **kw: Any) -> dict[str, Any]:

@@ -17,9 +17,8 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-from tests.support.procs import ROOT, start_kvgate
+from tests.support.procs import ROOT, sim_process, start_kvgate
 from tests.support.servers import free_port
-from vllm_sim.process import start_sim_process
 
 MODEL = "sim-model"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 2}
@@ -29,11 +28,8 @@ ADMIN = {"authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[str]:
-    port = free_port()
-    proc = start_sim_process(port, decode_base_s=0.03, decode_s_per_seq=0.0, model=MODEL)
-    yield f"http://127.0.0.1:{port}"
-    proc.kill()
-    proc.wait(5)
+    with sim_process(MODEL, decode_base_s=0.03, decode_s_per_seq=0.0) as url:  # streams last long enough
+        yield url
 
 
 class Gateway:
@@ -204,20 +200,15 @@ def test_a_killed_worker_is_restarted_and_its_counts_stay_in_the_sums(gateway: G
 
 
 def test_admin_changes_reach_every_worker(tmp_path: Path, gateway: Gateway) -> None:
-    other_port = free_port()
-    other = start_sim_process(other_port, decode_base_s=0.001, decode_s_per_seq=0.0, model="other-model")
-    try:
+    with sim_process("other-model", decode_base_s=0.001, decode_s_per_seq=0.0) as other:
         r = httpx.post(gateway.admin + "/admin/replicas", headers=ADMIN, timeout=10,
-                       json={"name": "r2", "url": f"http://127.0.0.1:{other_port}", "models": ["other-model"]})
+                       json={"name": "r2", "url": other, "models": ["other-model"]})
         assert r.status_code == 201, r.text
         assert r.headers["x-kvgate-workers-applied"] == "2/2"
         # Only a worker that learnt of r2 can serve other-model; both must.
         assert set(gateway.served_by(24, model="other-model")) == {"0", "1"}
         r = httpx.post(gateway.admin + "/admin/tenants", headers=ADMIN, json={"name": "t1"}, timeout=10)
         assert r.status_code == 409 and r.json()["error"]["code"] == "tenants_need_shared_store"
-    finally:
-        other.kill()
-        other.wait(5)
 
 
 def test_workers_setting_is_validated(tmp_path: Path) -> None:

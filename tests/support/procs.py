@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import yaml
@@ -37,3 +38,18 @@ def start_kvgate(tmp: Path, config: dict[str, Any], *, name: str = "kvgate", wai
                 raise RuntimeError(f"kvgate did not become ready: {(tmp / f'{name}.log').read_text()[-2000:]}")
             time.sleep(0.05)
     return proc
+
+
+@contextmanager
+def sim_process(model: str, **timing: Any) -> Iterator[str]:
+    """A simulated replica in its own process (``timing``: its TimingModel fields); yields its URL."""
+    from tests.support.servers import free_port
+    from vllm_sim.process import start_sim_process
+
+    port = free_port()
+    proc = start_sim_process(port, model=model, **timing)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(5)
