@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .errors import BadRequest, GatewayError, NotFound, error_payload
+from .errors import BadRequest, GatewayError, NotFound
+from .messages_api import shape_for
 from .asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
 from .proxy import PATHS, ProxyEndpoint
@@ -29,19 +30,21 @@ from .worker_info import WorkerInfo
 
 
 def _error_response(err: GatewayError, request: Request | None = None) -> Response:
-    return Response(error_payload(err), status_code=err.status, media_type="application/json",
+    # Under /v1/messages even a wrong route or method answers in Anthropic's shape.
+    payload = shape_for(request.url.path if request is not None else "").payload(err)
+    return Response(payload, status_code=err.status, media_type="application/json",
                     headers=err.headers)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return _error_response(NotFound(f"unknown route {request.url.path}", code="unknown_route"))
+        return _error_response(NotFound(f"unknown route {request.url.path}", code="unknown_route"), request)
     if exc.status_code == 405:
         err = BadRequest(f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
         err.status = 405
-        return _error_response(err)
-    return _error_response(BadRequest(str(exc.detail)))
+        return _error_response(err, request)
+    return _error_response(BadRequest(str(exc.detail)), request)
 
 
 def _routes(rt: Runtime) -> list[Route]:
@@ -122,4 +125,4 @@ def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path
 async def _method_not_allowed(request: Request) -> Response:
     err = BadRequest(f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
     err.status = 405
-    return _error_response(err)
+    return _error_response(err, request)

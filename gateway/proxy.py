@@ -1,10 +1,11 @@
 """The hot path: parse, run policies, route, forward, stream back.
 
-One ASGI endpoint per OpenAI route. It holds no business logic of its own:
+One ASGI endpoint per OpenAI route (and per Anthropic Messages route, whose
+protocol specifics live in ``messages_api`` and ``messages_sse``). It holds no business logic of its own:
 validation (``validate``), tenant policy (``runtime.admit``), the semantic
 cache, routing (``upstream.open_upstream``) and relaying (``relay``) are
-each behind a narrow call. Errors become OpenAI-shaped responses here and
-nowhere else.
+each behind a narrow call. Errors become responses in the route's shape
+(``Exchange.shape``) here and nowhere else.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_bo
     run_unless_disconnected
 from . import stages
 from .errors import BadRequest, GatewayError, UpstreamError, UpstreamTimeout, internal_error
+from .messages_api import MESSAGES_ENDPOINTS, MESSAGES_PATHS, shape_for, upstream_headers, validate_messages
+from .messages_sse import MessagesObserver
 from .relay import Outcome, relay_stream, relay_whole
 from .sse import StreamObserver
 from .transport import UPSTREAM_HEADERS
@@ -34,7 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvgate.access")
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+         **MESSAGES_PATHS}
+_UNARY = ("embeddings", "count_tokens")
 
 
 class ProxyEndpoint:
@@ -42,12 +47,16 @@ class ProxyEndpoint:
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.rt = runtime
+        self.shape = shape_for(self.path)
+        self.anthropic = endpoint in MESSAGES_ENDPOINTS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         headers = _headers(scope)
         rid = scope.get("kvgate.request_id") or request_id(headers.get("x-request-id"))
-        exchange = Exchange(send, [])
+        exchange = Exchange(send, [], self.shape)
+        if self.anthropic:
+            exchange.add_header("request-id", rid)  # where the anthropic SDK looks for it
         status, replica, tenant, outcome, ctx = 0, "-", "-", None, None
         try:
             ctx = await self._prepare(scope, receive, headers, rid, started)
@@ -86,11 +95,14 @@ class ProxyEndpoint:
         raw = await read_body(receive, limit=limits.max_body_bytes, content_length=headers.get("content-length"),
                               deadline_s=rt.settings.timeouts.body_receive_s)
         body = parse_json(raw, max_depth=limits.max_json_depth)
-        model = validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
+        if self.anthropic:
+            model = validate_messages(self.endpoint, body, headers, max_tokens=limits.max_tokens_ceiling)
+        else:
+            model = validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
         if rt.settings.log_prompts and log.isEnabledFor(logging.DEBUG):
             # Only with log_prompts: true AND debug level, both set on purpose by an operator.
             log.debug("request body", extra={"request_id": rid, "body": body})
-        stream = bool(body.get("stream")) and self.endpoint != "embeddings"
+        stream = bool(body.get("stream")) and self.endpoint not in _UNARY
         so = body.get("stream_options")
         include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
         ctx = RequestContext(rid, self.endpoint, headers, body, model, tenant, stream, include_usage, started)
@@ -109,7 +121,8 @@ class ProxyEndpoint:
         timeouts = rt.settings.timeouts
         call = UpstreamCall(
             path=self.path, payload=orjson.dumps(body),
-            headers={**UPSTREAM_HEADERS, "content-type": "application/json", "x-request-id": ctx.request_id},
+            headers={**UPSTREAM_HEADERS, "content-type": "application/json", "x-request-id": ctx.request_id,
+                     **(upstream_headers(ctx.headers) if self.anthropic else {})},
             read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
         )
@@ -133,9 +146,10 @@ class ProxyEndpoint:
                 rt.pool.record_failure(replica)
                 raise
             rt.pool.record_success(replica) if outcome.failure is None else rt.pool.record_failure(replica)
-            rt.policy.observe(route, RouteFeedback(
-                replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
-                outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None))
+            if self.endpoint != "count_tokens":  # counting prefills nothing: the replica holds no new blocks
+                rt.policy.observe(route, RouteFeedback(
+                    replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
+                    outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None))
             stages.after_response(rt, ctx, replica.name, outcome)
             return replica.name, outcome
         finally:
@@ -145,7 +159,8 @@ class ProxyEndpoint:
         timeouts = self.rt.settings.timeouts
         on_complete = None if ctx.cache_req is None else partial(stages.store_answer, self.rt, ctx)
         if ctx.stream:
-            observer = StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
+            observer = MessagesObserver() if self.endpoint == "messages" else \
+                StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
             return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
                                       stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete)
         return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s,

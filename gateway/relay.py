@@ -22,7 +22,8 @@ import httpx
 import orjson
 
 from .asgi_io import Exchange
-from .errors import UpstreamError, UpstreamTimeout, sse_error_event
+from .errors import UpstreamError, UpstreamTimeout
+from .messages_sse import whole_message
 from .sse import StreamObserver, Usage
 
 SSE_HEADERS = [
@@ -141,7 +142,7 @@ async def relay_stream(
     except httpx.HTTPError:
         observer.failure = "replica connection failed mid-stream"
     if observer.failure is not None and observer.upstream_error is None:
-        await exchange.body(sse_error_event(UpstreamError(observer.failure)))
+        await exchange.body(exchange.shape.event(UpstreamError(observer.failure)))
     await exchange.body(b"", more=False)
     if observer.done and observer.failure is None:
         await _drain(it)
@@ -179,6 +180,12 @@ async def relay_whole(
 
 
 def _observe_whole(obj: dict[str, Any], endpoint: str, outcome: Outcome) -> None:
+    if endpoint == "messages":  # an Anthropic ``message``: content blocks, stop_reason, its own usage
+        msg = whole_message(obj)
+        outcome.usage, outcome.text, outcome.finish_reason = msg.usage, msg.text, msg.finish_reason
+        outcome.has_tool_calls = msg.has_tool_calls
+        outcome.complete = msg.finish_reason is not None
+        return
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return

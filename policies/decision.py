@@ -5,9 +5,11 @@
   2. ``strip_client_fields``: fields no client may set never reach upstream;
   3. ``normalize_tools`` when the tenant opted in (before hygiene, so hygiene
      judges what upstream will actually render);
-  4. the tenant's ``cache_salt`` (chat and text completions only);
-  5. prompt hygiene of the final body (chat only; completions carry a raw
-     prompt with no message structure to find the boundary in).
+  4. the tenant's ``cache_salt`` (chat, text completions and Anthropic
+     messages: vLLM 0.33 takes it on all three);
+  5. prompt hygiene of the final body (chat, and messages read as their chat
+     view; completions carry a raw prompt with no message structure to find
+     the boundary in).
 It performs no I/O and keeps no state; ``engine.PolicyEngine`` adds the rate
 limiter and the cross-request hygiene tracker around it.
 """
@@ -18,15 +20,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from routing.messages_view import chat_view
+
 from .errors import ModelNotAllowed, PolicyError
 from .hygiene import PrefixWarning, analyze, warning_kinds
 from .normalize import normalize_tools
 from .salt import apply_salt, strip_client_fields
 from .tenants import Tenant, allows_model
 
-Endpoint = Literal["chat", "completions", "embeddings", "other"]
+Endpoint = Literal["chat", "completions", "embeddings", "messages", "count_tokens", "other"]
 PREFIX_WARNING_HEADER = "x-kvgate-prefix-warning"
-_SALTED: frozenset[str] = frozenset({"chat", "completions"})
+_SALTED: frozenset[str] = frozenset({"chat", "completions", "messages"})
+_HYGIENE: frozenset[str] = frozenset({"chat", "messages"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,11 @@ def warning_headers(warnings: tuple[PrefixWarning, ...] | list[PrefixWarning]) -
     return ((PREFIX_WARNING_HEADER, ",".join(kinds)),) if kinds else ()
 
 
+def hygiene_body(endpoint: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What hygiene reads: a chat body as it is, a Messages body as its chat view (system first)."""
+    return chat_view(dict(body)) if endpoint == "messages" else body
+
+
 def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "chat",
              boundary: int | None = None, marker: str | None = None) -> PolicyDecision:
     """The tenant's policy applied to one validated request body. Pure; the input is not modified.
@@ -88,6 +98,6 @@ def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "c
     if endpoint in _SALTED:
         out = apply_salt(out, tenant.cache_salt)
     warnings: tuple[PrefixWarning, ...] = ()
-    if tenant.prompt_hygiene and endpoint == "chat":
-        warnings = tuple(analyze(out, boundary=boundary, marker=marker))
+    if tenant.prompt_hygiene and endpoint in _HYGIENE:
+        warnings = tuple(analyze(hygiene_body(endpoint, out), boundary=boundary, marker=marker))
     return PolicyDecision(tenant, out, warning_headers(warnings), warnings, stripped)

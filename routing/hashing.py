@@ -27,6 +27,8 @@ from typing import Any
 
 import xxhash
 
+from .messages_view import chat_view
+
 __all__ = ["Rendered", "Span", "render", "prefix_seed", "chain_hashes", "cut_hash"]
 
 _xxh = xxhash.xxh3_64_intdigest
@@ -169,8 +171,14 @@ def _put_prompt(w: _Writer, prompt: Any, role: str) -> None:
     w.spans.append(Span(role, start, w.pos))
 
 
+# Anthropic Messages bodies render as the chat body they are (``routing.messages_view``).
+MESSAGES_ENDPOINTS = frozenset({"messages", "count_tokens"})
+
+
 def render(endpoint: str, body: dict[str, Any]) -> Rendered:
-    """The canonical byte stream of a request body (chat, completions or embeddings)."""
+    """The canonical byte stream of a request body (chat, completions, embeddings or messages)."""
+    if endpoint in MESSAGES_ENDPOINTS:
+        body = chat_view(body)
     w = _Writer()
     tools = body.get("tools")
     if isinstance(tools, list) and tools:

@@ -164,10 +164,11 @@ class PrefixAffinity:
             return
         bit = self.bits.bit_for(feedback.replica, self.index)
         # The key this instance routed on (a peek if the request came another way),
-        # the request's context, and for chat its first turn (the context of its
+        # the request's context, and for chat (or messages) its first turn (the context of its
         # next turns; a completions prompt has no turns to come back to).
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
-        keys = dict.fromkeys((route.key, route.context) + ((route.capped,) if request.endpoint == "chat" else ()))
+        turns = request.endpoint in ("chat", "messages")
+        keys = dict.fromkeys((route.key, route.context) + ((route.capped,) if turns else ()))
         for key in keys:
             if self.gossip is not None and not self.index.holders(key) >> bit & 1:
                 self.gossip.note(HELD, key, feedback.replica)  # news to this instance, so to others

@@ -7,7 +7,8 @@ under ``httpx.ASGITransport``); the lifespan only stops it cleanly.
 
 Endpoints: ``GET /health`` (503 with the ``unhealthy`` fault), ``GET /version``,
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /v1/embeddings``, ``GET /metrics``; control plane: ``GET|POST /sim/faults``
+``POST /v1/embeddings``, ``POST /v1/messages`` and ``/v1/messages/count_tokens``
+(Anthropic's Messages API, ``vllm_sim.messages``), ``GET /metrics``; control plane: ``GET|POST /sim/faults``
 (POST replaces the whole fault set, ``{}`` clears it), ``GET /sim/stats``,
 ``POST /sim/reset`` (drops cached blocks and counters).
 """
@@ -31,6 +32,7 @@ from vllm_sim.config import SimConfig
 from vllm_sim.embeddings import embeddings_response
 from vllm_sim.faults import Faults, fault_reply
 from vllm_sim.handlers import GenerationEndpoint
+from vllm_sim.messages import CountTokensEndpoint, MessagesEndpoint
 from vllm_sim.metrics import CONTENT_TYPE, render_metrics
 from vllm_sim.protocol import parse_json
 from vllm_sim.replica import Replica
@@ -119,6 +121,8 @@ def _routes(replica: Replica) -> list[Route]:
         Route("/v1/chat/completions", GenerationEndpoint(replica, "chat"), methods=["POST"]),
         Route("/v1/completions", GenerationEndpoint(replica, "completions"), methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/messages", MessagesEndpoint(replica), methods=["POST"]),
+        Route("/v1/messages/count_tokens", CountTokensEndpoint(replica), methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sim/faults", get_faults, methods=["GET"]),
         Route("/sim/faults", set_faults, methods=["POST"]),
