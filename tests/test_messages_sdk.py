@@ -50,7 +50,8 @@ def test_create_then_the_same_prefix_is_read_from_the_replica_cache(stack: Stack
     assert first.content[0].text and first.stop_reason == "max_tokens" and first.usage.output_tokens == 8
     assert first.usage.cache_read_input_tokens == 0 and first.usage.cache_creation_input_tokens > 0
     assert again.usage.cache_read_input_tokens > 200
-    count = a.messages.count_tokens(model=MODEL, system=system, messages=[{"role": "user", "content": "And my invoice?"}])
+    count = a.messages.count_tokens(model=MODEL, system=system,
+                                    messages=[{"role": "user", "content": "And my invoice?"}])
     u = again.usage
     assert count.input_tokens == u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
     assert first._request_id  # the SDK found kvgate's request id
@@ -105,7 +106,8 @@ def test_refusals_surface_as_the_sdk_exception_classes(stack: Stack, key: str, e
     with pytest.raises(error) as e:
         _ask(_client(stack, key))
     assert e.value.status_code == status  # type: ignore[attr-defined]
-    assert e.value.body == {"type": "error", "error": {"type": kind, "message": e.value.body["error"]["message"]}}  # type: ignore[attr-defined]
+    body = e.value.body  # type: ignore[attr-defined]
+    assert body == {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
 
 
 def test_rate_limited_is_a_rate_limit_error_with_retry_after(stack: Stack) -> None:
@@ -189,7 +191,8 @@ def test_cache_control_and_the_version_header_are_forwarded_and_credentials_are_
         tools = [{"name": "lookup", "description": "find an order", "input_schema": {"type": "object"},
                   "cache_control": {"type": "ephemeral"}}]
         system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
-        messages = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]
+        messages = [{"role": "user",
+                     "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]
         client = anthropic.Anthropic(base_url=gateway.url, api_key="sk-a", max_retries=0)
         out = client.messages.create(model=MODEL, max_tokens=4, system=system, tools=tools,  # type: ignore[arg-type]
                                      messages=messages, extra_headers={"anthropic-version": "2023-06-01"})
