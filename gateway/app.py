@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .errors import BadRequest, GatewayError, NotFound
-from .messages_api import shape_for
+from .messages_api import is_messages_path, shape_for
 from .asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
 from .proxy import PATHS, ProxyEndpoint
@@ -31,9 +31,12 @@ from .worker_info import WorkerInfo
 
 def _error_response(err: GatewayError, request: Request | None = None) -> Response:
     # Under /v1/messages even a wrong route or method answers in Anthropic's shape.
-    payload = shape_for(request.url.path if request is not None else "").payload(err)
-    return Response(payload, status_code=err.status, media_type="application/json",
-                    headers=err.headers)
+    path = request.url.path if request is not None else ""
+    headers = err.headers
+    if request is not None and is_messages_path(path) and "kvgate.request_id" in request.scope:
+        headers = {**headers, "request-id": request.scope["kvgate.request_id"]}
+    return Response(shape_for(path).payload(err), status_code=err.status, media_type="application/json",
+                    headers=headers)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:

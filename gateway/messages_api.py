@@ -62,7 +62,9 @@ class AnthropicShape:
 
     @staticmethod
     def body(err: GatewayError) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": error_type(err.status), "message": err.message}}
+        # No ``param`` field here: like Anthropic's own errors, the message names the location.
+        message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+        return {"type": "error", "error": {"type": error_type(err.status), "message": message}}
 
     def payload(self, err: GatewayError) -> bytes:
         return orjson.dumps(self.body(err))
