@@ -2,7 +2,8 @@
 
 Raw ASGI (no framework) so the upstream costs as little as possible: a chat
 completion, or the same answer as 8 SSE chunks plus usage and [DONE]; on
-``/v1/responses`` the same 8 tokens as a Responses answer or event stream.
+``/v1/responses`` the same 8 tokens as a Responses answer or event stream, on
+``/v1/messages`` as an Anthropic message or event stream.
 Run: python -m bench.fast_upstream --port 9100
 """
 
@@ -69,6 +70,28 @@ _RESPONSE_STREAM = [
     _event("response.output_text.done", 12, **_AT, text="fast " * 7 + "end", logprobs=[])
     + _event("response.completed", 13, response=_response("completed", "fast " * 7 + "end")),
 ]
+
+# Anthropic's Messages API, as vLLM 0.33 frames it (vllm_sim.messages has the full shapes): the same 8 tokens.
+def _message_event(kind: str, **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+
+
+_MESSAGE_USAGE = {"input_tokens": 12, "output_tokens": 8, "cache_creation_input_tokens": 0,
+                  "cache_read_input_tokens": 0}
+_MESSAGE = orjson.dumps({"id": "chatcmpl-fast", "type": "message", "role": "assistant", "model": "sim-model",
+                         "content": [{"type": "text", "text": "fast answer " * 8}], "stop_reason": "end_turn",
+                         "usage": _MESSAGE_USAGE})
+_MESSAGE_STREAM = [
+    _message_event("message_start", message={"id": "chatcmpl-fast", "type": "message", "role": "assistant",
+                                             "content": [], "model": "sim-model", "stop_reason": None,
+                                             "stop_sequence": None, "usage": {"input_tokens": 12, "output_tokens": 0}})
+    + _message_event("content_block_start", content_block={"type": "text", "text": ""}, index=0),
+    *[_message_event("content_block_delta", delta={"type": "text_delta", "text": "fast " if i < 7 else "end"}, index=0)
+      for i in range(8)],
+    _message_event("content_block_stop", index=0)
+    + _message_event("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None}, usage=_MESSAGE_USAGE)
+    + _message_event("message_stop"),
+]
 _MODELS = orjson.dumps({"object": "list", "data": [{"id": "sim-model", "object": "model"}]})
 
 
@@ -98,12 +121,13 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if b'"stream":true' in body.replace(b" ", b""):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        for event in _RESPONSE_STREAM if responses else _STREAM:
+        for event in _RESPONSE_STREAM if responses else _MESSAGE_STREAM if path == "/v1/messages" else _STREAM:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": _RESPONSE if responses else _COMPLETION})
+    await send({"type": "http.response.body",
+                "body": _RESPONSE if responses else _MESSAGE if path == "/v1/messages" else _COMPLETION})
 
 
 def main() -> None:

@@ -11,6 +11,8 @@ they are measured in turn, cell by cell.
     python -m bench.overhead --workers 1 2   # requests/s at concurrency 256, one kvgate worker and two
     python -m bench.overhead --endpoints chat responses --modes stream
                                              # the Responses API's stream beside chat's, same 8 tokens
+    python -m bench.overhead --endpoints chat messages --modes stream
+                                             # Anthropic's Messages stream beside chat's, same 8 tokens
     python -m bench.overhead --policy round_robin prefix_affinity --prompt-tokens 4096 --repeat 3
                                              # what routing adds, per policy, at concurrency 1:
                                              # a 200-word and a ~4K-token system prompt, a short user turn
@@ -178,8 +180,18 @@ def _as_responses(body: bytes) -> bytes:
     return orjson.dumps(out)
 
 
+def _as_messages(body: bytes) -> bytes:
+    """The chat body's request as Anthropic's Messages API: system -> system, the rest as messages."""
+    chat = orjson.loads(body)
+    out = {"model": chat["model"], "max_tokens": chat["max_tokens"],
+           "messages": [m for m in chat["messages"] if m["role"] != "system"]}
+    out.update(("system", m["content"]) for m in chat["messages"] if m["role"] == "system")
+    return orjson.dumps(out)
+
+
 # Endpoint -> (path, how a chat body becomes its request).
-ENDPOINTS = {"chat": ("/v1/chat/completions", None), "responses": ("/v1/responses", _as_responses)}
+ENDPOINTS = {"chat": ("/v1/chat/completions", None), "responses": ("/v1/responses", _as_responses),
+             "messages": ("/v1/messages", _as_messages)}
 
 
 async def measure(port: int, bodies: list[bytes] | None, stream: bool, concurrency: int,
