@@ -3,8 +3,8 @@
 ``evaluate`` applies, in order:
   1. the model allow-list (a refusal ends evaluation: nothing else matters);
   2. ``strip_client_fields``: fields no client may set never reach upstream;
-  3. ``normalize_tools`` when the tenant opted in (before hygiene, so hygiene
-     judges what upstream will actually render);
+  3. ``normalize_tools`` when the tenant opted in, on chat and messages (before
+     hygiene, so hygiene judges what upstream will actually render);
   4. the tenant's ``cache_salt`` (chat, text completions and Anthropic
      messages: vLLM 0.33 takes it on all three);
   5. prompt hygiene of the final body (chat, and messages read as their chat
@@ -31,7 +31,7 @@ from .tenants import Tenant, allows_model
 Endpoint = Literal["chat", "completions", "embeddings", "messages", "count_tokens", "other"]
 PREFIX_WARNING_HEADER = "x-kvgate-prefix-warning"
 _SALTED: frozenset[str] = frozenset({"chat", "completions", "messages"})
-_HYGIENE: frozenset[str] = frozenset({"chat", "messages"})
+_HYGIENE: frozenset[str] = frozenset({"chat", "messages"})  # message structure: hygiene, tool normalising
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "c
     if isinstance(model, str) and not allows_model(tenant, model):
         return PolicyDecision(tenant, body, rejection=Rejection.from_error(ModelNotAllowed(model)))
     out, stripped = strip_client_fields(body)
-    if tenant.normalize_tools and endpoint == "chat":
+    if tenant.normalize_tools and endpoint in _HYGIENE:  # Anthropic tools render through vLLM's chat template too
         out = normalize_tools(out, sort_tools=tenant.sort_tools)
     if endpoint in _SALTED:
         out = apply_salt(out, tenant.cache_salt)

@@ -195,3 +195,22 @@ def test_status_table_and_the_param_in_the_message() -> None:
     assert body["error"]["message"] == "max_tokens: must be an integer"
     assert ANTHROPIC_SHAPE.body(BadRequest("'max_tokens' is required", param="max_tokens"))["error"]["message"] == \
         "'max_tokens' is required"
+
+
+# -- tenant policy -----------------------------------------------------------------------
+def test_tenant_policy_on_messages_salts_normalises_tools_and_reads_system_for_hygiene() -> None:
+    from gateway.settings import TenantSettings
+    from policies.decision import evaluate
+    from policies.tenants import tenant_from_settings
+
+    t = tenant_from_settings(TenantSettings(name="acme", normalize_tools=True, sort_tools=True), "secret")
+    tools = [{"name": "b", "input_schema": {"type": "object", "properties": {"y": {}, "x": {}}}},
+             {"name": "a", "input_schema": {"type": "object"}}]
+    body = {**_body(USER1, system="Today is 2026-11-30T08:14:49Z.", tools=tools), "cache_salt": "mine"}
+    d = evaluate(t, body, endpoint="messages")
+    assert d.body["cache_salt"] == t.cache_salt != "mine"
+    assert [tool["name"] for tool in d.body["tools"]] == ["a", "b"]
+    assert list(d.body["tools"][1]["input_schema"]["properties"]) == ["x", "y"]
+    assert [w.kind for w in d.warnings] == ["timestamp"] and d.warnings[0].role == "system"
+    counted = evaluate(t, {k: v for k, v in body.items() if k != "max_tokens"}, endpoint="count_tokens")
+    assert "cache_salt" not in counted.body and counted.warnings == ()
