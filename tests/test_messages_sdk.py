@@ -203,6 +203,33 @@ def test_cache_control_and_the_version_header_are_forwarded_and_credentials_are_
         assert headers["anthropic-version"] == "2023-06-01"
         assert "x-api-key" not in headers and "authorization" not in headers
         assert "stream_options" not in body
+        # This replica does not serve count_tokens (older vLLM): its 404 comes back in Anthropic's shape.
+        with pytest.raises(anthropic.NotFoundError) as e:
+            client.messages.count_tokens(model=MODEL, messages=messages)  # type: ignore[arg-type]
+        assert e.value.body["type"] == "error"  # type: ignore[index]
     finally:
         gateway.stop()
         replica.stop()
+
+
+def test_prefix_affinity_keeps_a_conversation_on_the_replica_that_holds_it() -> None:
+    s = start_stack(3, routing={"policy": "prefix_affinity"})
+    try:
+        client = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+        homes: dict[int, set[str]] = {}
+        for agent in range(6):
+            system = [{"type": "text", "text": f"Agent {agent}: you fix bugs in repository {agent}. " + SYSTEM,
+                       "cache_control": {"type": "ephemeral"}}]
+            history: list[dict[str, Any]] = []
+            for turn in range(3):
+                history.append({"role": "user", "content": f"Step {turn}: what next?"})
+                raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=4, system=system,  # type: ignore[arg-type]
+                                                               messages=history)
+                reply = raw.parse()
+                homes.setdefault(agent, set()).add(raw.headers["x-kvgate-replica"])
+                if turn:
+                    assert reply.usage.cache_read_input_tokens > 200, "a later turn finds its prefix cached"
+                history.append({"role": "assistant", "content": reply.content[0].text})  # type: ignore[union-attr]
+        assert all(len(h) == 1 for h in homes.values()), homes
+    finally:
+        s.close()

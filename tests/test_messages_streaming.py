@@ -84,6 +84,28 @@ def test_disconnect_before_the_first_token_cancels_upstream(slow_stack: Stack) -
     assert slow_stack.wait_for(lambda: _aborts(slow_stack) == 1, timeout=1.0)
 
 
+def test_disconnect_while_waiting_for_a_whole_message_cancels_upstream(slow_stack: Stack) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_stack.url + "/v1/messages", json=_body(stream=False, max_tokens=500), timeout=0.3)
+    assert slow_stack.wait_for(lambda: _aborts(slow_stack) == 1, timeout=1.0)
+
+
+def test_a_silent_or_stalling_replica_times_out_in_anthropic_shape() -> None:
+    stack = start_stack(1, sim={"timing": SLOW}, timeouts={"first_byte_s": 0.3, "stall_s": 0.3})
+    try:
+        client = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0)
+        stack.faults("r1", stall_before_first_token_s=3.0)
+        with pytest.raises(anthropic.InternalServerError) as e:
+            client.messages.create(model=MODEL, max_tokens=5, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+        assert e.value.status_code == 504 and e.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+        stack.faults("r1", stall_mid_stream_s=3.0, stall_after_tokens=2)
+        events = _events(httpx.post(stack.url + "/v1/messages", json=_body(), timeout=10).text)
+        assert [k for k, _ in events][-1] == "error" and "stalled" in events[-1][1]["error"]["message"]
+        assert sum(k == "content_block_delta" for k, _ in events) == 2
+    finally:
+        stack.close()
+
+
 def test_replica_dying_mid_stream_gives_partial_text_then_an_error_event() -> None:
     stack = start_stack(1)
     try:
