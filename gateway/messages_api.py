@@ -33,7 +33,7 @@ from .errors import OPENAI_SHAPE, BadRequest, ErrorShape, GatewayError
 from .validate import _bool_field, _int_field, _model, _num_field
 
 __all__ = ["MESSAGES_ENDPOINTS", "MESSAGES_PATHS", "ANTHROPIC_SHAPE", "AnthropicShape", "validate_messages",
-           "upstream_headers", "is_messages_path", "shape_for"]
+           "upstream_headers", "is_messages_path", "shape_for", "error_type"]
 
 MESSAGES_PATHS = {"messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
 MESSAGES_ENDPOINTS = frozenset(MESSAGES_PATHS)
@@ -46,8 +46,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 # vLLM accepts these roles on /v1/messages (system messages inline, too).
 _ROLES = frozenset({"user", "assistant", "system"})
 # A version is a date ("2023-06-01"); a beta list is comma-separated tokens.
-_VERSION = re.compile(r"^[0-9A-Za-z._-]{1,32}$")
-_BETA = re.compile(r"^[0-9A-Za-z._\-, ]{1,512}$")
+_VERSION = re.compile(r"[0-9A-Za-z._-]{1,32}")
+_BETA = re.compile(r"[0-9A-Za-z._\-, ]{1,512}")
 
 
 def error_type(status: int) -> str:
@@ -89,7 +89,7 @@ def upstream_headers(headers: dict[str, str]) -> dict[str, str]:
     out = {}
     for name in ("anthropic-version", "anthropic-beta"):
         value = headers.get(name)
-        if value is not None and (_VERSION if name == "anthropic-version" else _BETA).match(value):
+        if value is not None and (_VERSION if name == "anthropic-version" else _BETA).fullmatch(value):
             out[name] = value
     return out
 
@@ -97,7 +97,7 @@ def upstream_headers(headers: dict[str, str]) -> dict[str, str]:
 def _check_version(headers: dict[str, str]) -> None:
     # Optional (curl users and OpenAI-style clients omit it), but never forwarded malformed.
     version = headers.get("anthropic-version")
-    if version is not None and not _VERSION.match(version):
+    if version is not None and not _VERSION.fullmatch(version):
         raise BadRequest("'anthropic-version' header must be a version such as 2023-06-01",
                          param="anthropic-version", code="invalid_header")
 

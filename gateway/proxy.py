@@ -1,10 +1,10 @@
 """The hot path: parse, run policies, route, forward, stream back.
 
-One ASGI endpoint per OpenAI route (and per Anthropic Messages route, whose
-protocol specifics live in ``messages_api`` and ``messages_sse``). It holds no business logic of its own:
-validation (``validate``), tenant policy (``runtime.admit``), the semantic
-cache, routing (``upstream.open_upstream``) and relaying (``relay``) are
-each behind a narrow call. Errors become responses in the route's shape
+One ASGI endpoint per OpenAI route, and per Anthropic Messages route (its
+protocol's specifics live in ``messages_api`` and ``messages_sse``). It holds
+no business logic of its own: validation (``validate``), tenant policy
+(``runtime.admit``), the semantic cache, routing (``upstream.open_upstream``)
+and relaying (``relay``) are each behind a narrow call. Errors become responses in the route's shape
 (``Exchange.shape``) here and nowhere else.
 """
 
