@@ -195,12 +195,14 @@ def test_cache_control_and_the_version_header_are_forwarded_and_credentials_are_
                      "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]
         client = anthropic.Anthropic(base_url=gateway.url, api_key="sk-a", max_retries=0)
         out = client.messages.create(model=MODEL, max_tokens=4, system=system, tools=tools,  # type: ignore[arg-type]
-                                     messages=messages, extra_headers={"anthropic-version": "2023-06-01"})
+                                     messages=messages, extra_headers={"anthropic-version": "2023-06-01",
+                                                                       "anthropic-beta": "prompt-caching-2024-07-31"})
         assert out.content[0].text == "ok" and out.usage.cache_read_input_tokens == 16
         body, headers = capture.bodies[0], capture.headers[0]
         assert body["system"] == system and body["tools"] == tools and body["messages"] == messages
         assert isinstance(body["cache_salt"], str) and body["cache_salt"]  # vLLM 0.33 salts /v1/messages
         assert headers["anthropic-version"] == "2023-06-01"
+        assert headers["anthropic-beta"] == "prompt-caching-2024-07-31"
         assert "x-api-key" not in headers and "authorization" not in headers
         assert "stream_options" not in body
         # This replica does not serve count_tokens (older vLLM): its 404 comes back in Anthropic's shape.
