@@ -107,7 +107,8 @@ def test_what_only_the_replica_can_judge_comes_back_in_anthropic_shape(http: htt
     assert r.status_code == 404 and _anthropic_error(r, "not_found_error")
 
 
-_scalar = st.none() | st.booleans() | st.integers(-3, 10**7) | st.floats(allow_nan=False) | st.text(max_size=8)
+_scalar = (st.none() | st.booleans() | st.integers(-3, 10**7) | st.floats(allow_nan=False, allow_infinity=False)
+           | st.text(max_size=8))
 _json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3)
                      | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=12)
 _field = st.sampled_from(["model", "max_tokens", "messages", "system", "tools", "tool_choice", "stream", "temperature",
