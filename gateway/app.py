@@ -23,6 +23,8 @@ from .errors import BadRequest, GatewayError, NotFound, error_payload
 from .asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
 from .proxy import PATHS, ProxyEndpoint
+from .responses_api import ResponsesEndpoint
+from .responses_routes import response_routes
 from .runtime import Runtime
 from .settings import Settings
 from .worker_info import WorkerInfo
@@ -110,10 +112,11 @@ def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path
         finally:
             await rt.stop()
 
-    endpoints = {PATHS[name]: ProxyEndpoint(name, rt) for name in PATHS}
+    kinds = {"responses": ResponsesEndpoint}  # protocols with their own hooks; the rest are chat-like
+    endpoints = {PATHS[name]: kinds.get(name, ProxyEndpoint)(name, rt) for name in PATHS}
     proxy_routes = [Route(path, _method_not_allowed, methods=["GET", "PUT", "PATCH", "DELETE"])
                     for path in endpoints]
-    app = Starlette(routes=[*_routes(rt), *proxy_routes], lifespan=lifespan,
+    app = Starlette(routes=[*_routes(rt), *proxy_routes, *response_routes(rt)], lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception})
     app.state.runtime = rt
     return KvgateApp(app, endpoints, worker)
