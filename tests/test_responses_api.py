@@ -133,10 +133,11 @@ def test_forged_or_garbled_ids_are_404(fleet: tuple[Stack, ServerThread]) -> Non
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
     before = sum(stack.sim_stats(n)["requests"] for n in stack.sims)
     for forged in _forgeries(r.id):
-        for call in (lambda: client.responses.retrieve(forged), lambda: client.responses.cancel(forged),
-                     lambda: client.responses.create(model=MODEL, input="x", previous_response_id=forged)):
+        calls = (lambda f: client.responses.retrieve(f), lambda f: client.responses.cancel(f),
+                 lambda f: client.responses.create(model=MODEL, input="x", previous_response_id=f))
+        for call in calls:
             with pytest.raises(openai.NotFoundError) as e:
-                call()
+                call(forged)
             assert e.value.code == "response_not_found"
             assert e.value.body["type"] == "invalid_request_error"  # type: ignore[index]
     assert sum(stack.sim_stats(n)["requests"] for n in stack.sims) == before, "a forgery reaches no replica"
