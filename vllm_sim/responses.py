@@ -140,8 +140,8 @@ class ResponsesApi:
         if prev_id is not None:
             prev = self.store.get(prev_id) if isinstance(prev_id, str) else None
             if prev is None:
-                raise wire.ApiError(404, f"Response with id '{prev_id}' not found.", "NotFoundError",
-                                    "previous_response_id")
+                raise wire.ApiError(404, f"Response with id '{prev_id}' not found.", "invalid_request_error",
+                                    "response_id")
             history = [*prev.messages, *_answer(prev.response)]
         messages = [*history, *_to_messages(body.get("input"))]
         system = [{"role": "system", "content": body["instructions"]}] if isinstance(
@@ -166,7 +166,9 @@ class ResponsesApi:
         except PromptTooLong as exc:
             raise wire.ApiError(400, str(exc), param="input") from None
         rid = "resp_" + uuid.uuid4().hex
-        shape = Shape(rid, "msg_" + uuid.uuid4().hex, int(time.time()), model, body, max_tokens)
+        # vLLM echoes the effective limit: without one, the rest of the context.
+        limit = max_tokens if max_tokens is not None else config.max_model_len - len(tokens)
+        shape = Shape(rid, "msg_" + uuid.uuid4().hex, int(time.time()), model, body, limit)
         request = GenRequest(rid, tokens, max_tokens, 1, salt, hold_s=faults.stall_before_first_token_s)
         return _Job(request, shape, messages, params.stream, bool(store), background)
 
@@ -238,11 +240,9 @@ class ResponsesApi:
     # -- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel ----------------------------------
     def _lookup(self, request: Request) -> _Stored | Response:
         rid = request.path_params["response_id"]
-        if not rid.startswith("resp"):
-            return _error(400, f"Invalid 'response_id': '{rid}'. Expected an ID that begins with 'resp'.")
         stored = self.store.get(rid)
         if stored is None:
-            return _error(404, f"Response with id '{rid}' not found.", "NotFoundError")
+            return _error(404, f"Response with id '{rid}' not found.", param="response_id")
         return stored
 
     async def retrieve(self, request: Request) -> Response:
@@ -253,11 +253,11 @@ class ResponsesApi:
         stored = self._lookup(request)
         if isinstance(stored, Response):
             return stored
-        if stored.task is None:
-            return _error(400, "Cannot cancel a synchronous response.")
-        if stored.response["status"] in ("queued", "in_progress"):
-            stored.task.cancel()
-            await asyncio.gather(stored.task, return_exceptions=True)
+        # As vLLM: only a background response still running can be cancelled.
+        if stored.task is None or stored.response["status"] not in ("queued", "in_progress"):
+            return _error(400, "Cannot cancel a synchronous response.", param="response_id")
+        stored.task.cancel()
+        await asyncio.gather(stored.task, return_exceptions=True)
         return _json(stored.response)
 
 
@@ -275,5 +275,5 @@ def _json(payload: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status, media_type="application/json")
 
 
-def _error(status: int, message: str, type_: str = "BadRequestError") -> Response:
-    return _json(wire.error_body(message, type_, None, status), status)
+def _error(status: int, message: str, param: str | None = None) -> Response:
+    return _json(wire.error_body(message, "invalid_request_error", param, status), status)

@@ -19,9 +19,17 @@ __all__ = ["Shape", "event", "response_usage"]
 
 
 def response_usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}
+    # One turn (no tool loop): the per-turn lists vLLM adds hold one entry each. The
+    # tokens written to the cache are the prompt's uncached ones.
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached,
+                                 "input_tokens_per_turn": [prompt], "cached_tokens_per_turn": [cached]},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                  "output_tokens_per_turn": [completion], "tool_output_tokens_per_turn": [0]},
+        "total_tokens": prompt + completion,
+    }
 
 
 def event(kind: str, seq: int, **fields: Any) -> bytes:
@@ -33,7 +41,7 @@ class Shape:
     """One response's fixed parts (ids, echoed request fields), and its states as JSON."""
 
     def __init__(self, rid: str, msg_id: str, created: int, model: str, body: dict[str, Any],
-                 max_output_tokens: int | None) -> None:
+                 max_output_tokens: int) -> None:
         self.rid, self.msg_id, self.created, self.model = rid, msg_id, created, model
         self.echo = {
             "instructions": body.get("instructions"),
@@ -65,9 +73,10 @@ class Shape:
         return {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
 
     def response(self, status: str, text: str | None = None, usage: dict[str, Any] | None = None,
-                 incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+                 incomplete: str | None = None) -> dict[str, Any]:
+        # No "error" key: vLLM's ResponsesResponse has none (a failure is an "error" event).
         return {
-            "id": self.rid, "created_at": self.created, "error": error,
+            "id": self.rid, "created_at": self.created,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "model": self.model, "object": "response",
             "output": [] if text is None else [self.message(text)],
