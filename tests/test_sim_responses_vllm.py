@@ -107,6 +107,6 @@ def test_sim_responses_match_vllm_models(tmp_path: Path) -> None:
     assert responses[1]["status"] == "incomplete"
     path = tmp_path / "shapes.json"
     path.write_text(json.dumps({"requests": requests, "responses": responses, "events": events}))
-    done = subprocess.run([python, "-c", _CHECK, str(path)], capture_output=True, text=True, timeout=240,
+    done = subprocess.run([python, "-c", _CHECK, str(path)], capture_output=True, text=True, timeout=240, check=False,
                           env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
