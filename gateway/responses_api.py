@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 __all__ = ["ResponsesEndpoint", "ReplicaUnavailable", "open_pinned", "response_not_found", "pinned_replica"]
 
 
+# A response's status as the finish_reason the gateway's accounting knows.
+_FINISH = {"completed": "stop", "incomplete": "length"}
+
+
 class ReplicaUnavailable(GatewayError):
     """The replica holding a stored response cannot be reached. 503 while it may come back
     (unhealthy, ejected, refusing connections), 404 once it has left the pool."""
@@ -144,13 +148,14 @@ class ResponsesEndpoint(ProxyEndpoint):
         rewriter = self._rewriter(ctx)
         if ctx.stream:
             observer = ResponsesObserver(self.endpoint, strip_usage_chunk=False, rewriter=rewriter)
-            return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
-                                      stall_s=timeouts.stall_s, started_at=ctx.started)
+            outcome = await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
+                                         stall_s=timeouts.stall_s, started_at=ctx.started)
+            # The relay times the first event; on this protocol that precedes the first token.
+            outcome.ttft_s = None if observer.first_delta_at is None else observer.first_delta_at - ctx.started
+            return outcome
         body, obj = await read_whole(response, timeout_s=timeouts.non_stream_s)
         rewriter.learn(obj.get("id"))
         status = obj.get("status")
-        outcome = Outcome(usage=responses_usage(obj.get("usage")), complete=status == "completed",
-                          finish_reason="stop" if status == "completed" else status if isinstance(status, str)
-                          else None)
         await exchange.json(200, rewriter.apply(body))
-        return outcome
+        return Outcome(usage=responses_usage(obj.get("usage")), complete=status == "completed",
+                       finish_reason=_FINISH.get(status) if isinstance(status, str) else None)

@@ -19,6 +19,7 @@ otherwise.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -73,6 +74,8 @@ class ResponsesObserver(StreamObserver):
     rewriter: IdRewriter | None = None
     sequence: int = -1  # the last sequence_number seen
     status: str | None = None
+    # vLLM sends response.created before prefill: the first token is the first delta.
+    first_delta_at: float | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         out = StreamObserver.feed(self, chunk)
@@ -103,6 +106,8 @@ class ResponsesObserver(StreamObserver):
             self.sequence = seq
         kind = obj.get("type")
         if kind == "response.output_text.delta":
+            if self.first_delta_at is None:
+                self.first_delta_at = time.perf_counter()
             if isinstance(obj.get("delta"), str):
                 self._text.append(obj["delta"])
         elif kind == "response.created":

@@ -274,3 +274,17 @@ def test_prefix_routing_and_usage_feed_metrics() -> None:
         assert re.search(r'kvgate_tokens_total\{kind="cached"[^}]*\} [1-9]', metrics)
     finally:
         stack.close()
+
+
+def test_ttft_is_the_first_token_not_response_created() -> None:
+    stack = start_stack(1)
+    try:
+        stack.faults("r1", stall_before_first_token_s=0.5)  # response.created goes out at once, tokens later
+        events = list(_client(stack.url, "x").responses.create(model=MODEL, input="hi", stream=True,
+                                                               max_output_tokens=3))
+        assert events[-1].type == "response.incomplete"
+        metrics = httpx.get(stack.url + "/metrics").text
+        ttft = re.search(r'kvgate_time_to_first_token_seconds_sum\{endpoint="responses"\} ([0-9.e+-]+)', metrics)
+        assert ttft is not None and float(ttft.group(1)) >= 0.5
+    finally:
+        stack.close()
