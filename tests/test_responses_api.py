@@ -288,3 +288,19 @@ def test_ttft_is_the_first_token_not_response_created() -> None:
         assert ttft is not None and float(ttft.group(1)) >= 0.5
     finally:
         stack.close()
+
+
+def test_semantic_cache_is_bypassed_with_its_reason() -> None:
+    stack = start_stack(1, semantic_cache={"enabled": True, "embedder": "hash",
+                                           "key_prefix": f"kvgate:test:{time.monotonic_ns()}:"})
+    try:
+        client = _client(stack.url, "x")
+        for stream in (False, False, True, True):
+            raw = client.responses.with_raw_response.create(model=MODEL, input="What is prefix caching?",
+                                                            instructions="Be terse.", stream=stream)
+            assert raw.headers["x-kvgate-cache"] == "bypass" and raw.headers["x-kvgate-replica"] == "r1"
+        assert int(stack.sim_stats("r1")["engine_requests"]) == 4, "every repeat reached the replica"
+        metrics = httpx.get(stack.url + "/metrics").text
+        assert re.search(r'kvgate_semantic_cache_bypasses_total\{reason="responses_stateful"\} 4', metrics)
+    finally:
+        stack.close()
