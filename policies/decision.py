@@ -6,8 +6,8 @@
   3. ``normalize_tools`` when the tenant opted in (before hygiene, so hygiene
      judges what upstream will actually render);
   4. the tenant's ``cache_salt`` (chat, text completions and responses: the routes vLLM salts);
-  5. prompt hygiene of the final body (chat only; completions carry a raw
-     prompt with no message structure to find the boundary in).
+  5. prompt hygiene of the final body (chat, and responses seen as chat; completions
+     carry a raw prompt with no message structure to find the boundary in).
 It performs no I/O and keeps no state; ``engine.PolicyEngine`` adds the rate
 limiter and the cross-request hygiene tracker around it.
 """
@@ -21,6 +21,7 @@ from typing import Any, Literal
 from .errors import ModelNotAllowed, PolicyError
 from .hygiene import PrefixWarning, analyze, warning_kinds
 from .normalize import normalize_tools
+from .responses_view import as_chat
 from .salt import apply_salt, strip_client_fields
 from .tenants import Tenant, allows_model
 
@@ -88,6 +89,7 @@ def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "c
     if endpoint in _SALTED:
         out = apply_salt(out, tenant.cache_salt)
     warnings: tuple[PrefixWarning, ...] = ()
-    if tenant.prompt_hygiene and endpoint == "chat":
-        warnings = tuple(analyze(out, boundary=boundary, marker=marker))
+    if tenant.prompt_hygiene and endpoint in ("chat", "responses"):
+        view = out if endpoint == "chat" else as_chat(out)
+        warnings = tuple(analyze(view, boundary=boundary, marker=marker))
     return PolicyDecision(tenant, out, warning_headers(warnings), warnings, stripped)

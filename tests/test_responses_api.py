@@ -304,3 +304,17 @@ def test_semantic_cache_is_bypassed_with_its_reason() -> None:
         assert re.search(r'kvgate_semantic_cache_bypasses_total\{reason="responses_stateful"\} 4', metrics)
     finally:
         stack.close()
+
+
+def test_hygiene_warns_about_a_timestamp_in_the_instructions() -> None:
+    stack = start_stack(1, tenants=[{"name": "acme", "api_keys": ["sk-acme"]}])
+    try:
+        raw = _client(stack.url).responses.with_raw_response.create(
+            model=MODEL, input="hi", max_output_tokens=2,
+            instructions="You are a coding agent. Current time: 2026-12-01T11:52:03Z. " + INSTRUCTIONS)
+        assert raw.headers["x-kvgate-prefix-warning"] == "timestamp"
+        clean = _client(stack.url).responses.with_raw_response.create(model=MODEL, input="hi", max_output_tokens=2,
+                                                                      instructions=INSTRUCTIONS)
+        assert "x-kvgate-prefix-warning" not in clean.headers
+    finally:
+        stack.close()
