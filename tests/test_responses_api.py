@@ -318,3 +318,17 @@ def test_hygiene_warns_about_a_timestamp_in_the_instructions() -> None:
         assert "x-kvgate-prefix-warning" not in clean.headers
     finally:
         stack.close()
+
+
+def test_tenants_do_not_share_kv_through_responses() -> None:
+    stack = start_stack(1, tenants=[{"name": "a", "api_keys": ["sk-a"]}, {"name": "b", "api_keys": ["sk-b"]}])
+    try:
+        def cached(key: str) -> int:
+            r = _client(stack.url, key).responses.create(model=MODEL, input="hi", instructions=INSTRUCTIONS,
+                                                         max_output_tokens=2)
+            assert r.usage is not None
+            return r.usage.input_tokens_details.cached_tokens
+        assert cached("sk-a") == 0 and cached("sk-a") > 0
+        assert cached("sk-b") == 0, "B's identical prompt hits none of A's blocks (cache_salt per tenant)"
+    finally:
+        stack.close()
