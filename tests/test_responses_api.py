@@ -332,3 +332,21 @@ def test_tenants_do_not_share_kv_through_responses() -> None:
         assert cached("sk-b") == 0, "B's identical prompt hits none of A's blocks (cache_salt per tenant)"
     finally:
         stack.close()
+
+
+def test_unhealthy_home_is_a_503_without_asking_it() -> None:
+    stack = start_stack(2, pool={"health_interval_s": 0.05, "metrics_interval_s": 60})
+    try:
+        client = _client(stack.url)
+        raw = client.responses.with_raw_response.create(model=MODEL, input="hi", max_output_tokens=2)
+        home, r = raw.headers["x-kvgate-replica"], raw.parse()
+        stack.faults(home, unhealthy=True)
+        assert stack.wait_for(lambda: stack.runtime.pool.replicas[home].healthy is False, timeout=3)
+        before = stack.sim_stats(home)["requests"]
+        with pytest.raises(openai.InternalServerError) as e:
+            client.responses.create(model=MODEL, input="more", previous_response_id=r.id)
+        assert e.value.status_code == 503 and e.value.code == "response_replica_unavailable"
+        assert e.value.response.headers["retry-after"] == "1"
+        assert stack.sim_stats(home)["requests"] == before
+    finally:
+        stack.close()
