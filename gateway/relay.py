@@ -148,10 +148,8 @@ async def relay_stream(
     return _observed(outcome, observer)
 
 
-async def relay_whole(
-    response: httpx.Response, exchange: Exchange, *, endpoint: str, timeout_s: float,
-    max_bytes: int = 64 * 1024 * 1024, on_complete: OnComplete | None = None,
-) -> Outcome:
+async def read_whole(response: httpx.Response, *, timeout_s: float, max_bytes: int) -> bytes:
+    """A whole non-streamed answer, bounded in time and size."""
     raw = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
@@ -163,7 +161,14 @@ async def relay_whole(
         raise UpstreamTimeout("replica did not answer in time") from None
     except httpx.HTTPError:
         raise UpstreamError("replica connection failed") from None
-    body = bytes(raw)
+    return bytes(raw)
+
+
+async def relay_whole(
+    response: httpx.Response, exchange: Exchange, *, endpoint: str, timeout_s: float,
+    max_bytes: int = 64 * 1024 * 1024, on_complete: OnComplete | None = None,
+) -> Outcome:
+    body = await read_whole(response, timeout_s=timeout_s, max_bytes=max_bytes)
     try:
         obj: Any = orjson.loads(body)
     except orjson.JSONDecodeError:
