@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import time
 import wave
 from typing import Any, Iterator
 
@@ -17,6 +18,8 @@ from gateway.settings import load_settings
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL, Stack, start_stack
 from vllm_sim.audio import transcript
+from vllm_sim.faults import Faults
+from vllm_sim.timing import TimingModel
 
 
 def wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
@@ -297,3 +300,39 @@ def test_what_the_replica_receives_stripped_salted_and_byte_exact() -> None:
     finally:
         gateway.stop()
         upstream.stop()
+
+
+def _slow_stack() -> Stack:
+    # 100 ms per decoded word: a 10-second clip (20 words) streams for about 2 s.
+    return start_stack(1, sim={"timing": TimingModel(decode_base_s=0.1, time_scale=1.0)})
+
+
+def test_a_client_leaving_a_streamed_transcription_aborts_it_within_a_second() -> None:
+    stack = _slow_stack()
+    try:
+        with httpx.stream("POST", stack.url + "/v1/audio/transcriptions", timeout=10,
+                          data={"model": MODEL, "stream": "true"}, files={"file": ("a.wav", wav(10.0))}) as r:
+            assert r.status_code == 200
+            first = next(r.iter_lines())
+            assert first.startswith("data: ") and "transcription.chunk" in first
+            left = time.monotonic()
+        assert stack.wait_for(lambda: stack.sim_stats("r1")["aborted"] == 1, timeout=1.0)
+        assert time.monotonic() - left < 1.0
+        assert stack.wait_for(lambda: 'kvgate_client_disconnects_total{endpoint="transcriptions"} 1.0'
+                              in httpx.get(stack.url + "/metrics", timeout=5).text, timeout=2.0)
+    finally:
+        stack.close()
+
+
+def test_a_replica_dying_mid_transcription_ends_the_stream_with_an_error_event() -> None:
+    stack = start_stack(1, sim={"faults": Faults(die_after_tokens=2)})
+    try:
+        with httpx.stream("POST", stack.url + "/v1/audio/transcriptions", timeout=10,
+                          data={"model": MODEL, "stream": "true"}, files={"file": ("a.wav", wav(3.0))}) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        words = transcript(wav(3.0))
+        assert [orjson.loads(e)["choices"][0]["delta"]["content"] for e in events[:2]] == [words[0], " " + words[1]]
+        assert len(events) == 3 and "[DONE]" not in events  # partial output, then the error, never a fake end
+        assert orjson.loads(events[2])["error"]["type"] == "upstream_error"
+    finally:
+        stack.close()

@@ -6,6 +6,9 @@ taken as 16 kHz 16-bit mono): the same file always gives the same text, a
 different file another. Shapes follow vLLM's ``TranscriptionResponse``,
 ``TranscriptionResponseVerbose``, ``TranslationResponse`` and, with ``stream``,
 ``transcription.chunk`` / ``translation.chunk`` SSE events ending in ``[DONE]``.
+The words are decoded by the replica's engine (one token each, after a prefill
+of ``audio_tokens``), so audio requests load the replica, take the timing
+model's time, abort on a client disconnect and obey the per-token faults.
 Like vLLM, only ``json``, ``text`` (answered as JSON) and ``verbose_json``
 formats are served.
 """
@@ -19,12 +22,11 @@ import uuid
 import wave
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
-from vllm_sim.tokenizer import count_tokens
-from vllm_sim.wire import DONE, ApiError, sse
+from vllm_sim.wire import ApiError, sse
 
-__all__ = ["AudioRequest", "Task", "audio_events", "audio_response", "duration_s", "transcript"]
+__all__ = ["AudioRequest", "StreamFormat", "Task", "audio_response", "audio_tokens", "duration_s", "transcript"]
 
 Task = Literal["transcribe", "translate"]
 _WORDS = ("the", "sound", "of", "rain", "on", "a", "quiet", "street", "and", "distant", "voices",
@@ -32,6 +34,8 @@ _WORDS = ("the", "sound", "of", "rain", "on", "a", "quiet", "street", "and", "di
 _WORDS_PER_SECOND = 2
 _MAX_WORDS = 256
 _FORMATS = ("json", "text", "verbose_json")
+_AUDIO_TOKENS_PER_SECOND = 50
+_AUDIO_TOKENS_MAX = 1500
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,20 +91,33 @@ def audio_response(req: AudioRequest) -> dict[str, Any]:
     return {"text": text}
 
 
-def audio_events(req: AudioRequest) -> Iterator[bytes]:
-    """The SSE events of a streamed transcription or translation, ``[DONE]`` last."""
-    kind = "transcription.chunk" if req.task == "transcribe" else "translation.chunk"
-    rid = ("trsc-" if req.task == "transcribe" else "trsl-") + uuid.uuid4().hex
-    created = int(time.time())
-    words = transcript(req.audio)
-    for i, word in enumerate(words):
-        choice: dict[str, Any] = {"delta": {"content": word if i == 0 else " " + word}}
+def audio_tokens(audio: bytes) -> list[int]:
+    """The prompt the engine prefills: an encoder's 50 positions per second of audio, up to one
+    30-second window (Whisper's 1500), as ids derived from the bytes (the same file, the same ids)."""
+    n = max(1, min(_AUDIO_TOKENS_MAX, math.ceil(duration_s(audio) * _AUDIO_TOKENS_PER_SECOND)))
+    step = max(1, len(audio) // n)
+    return [zlib.crc32(audio[i * step : (i + 1) * step], 7) for i in range(n)]
+
+
+class StreamFormat:
+    """The SSE events of one streamed transcription or translation (vLLM dumps them with
+    ``exclude_unset``: no ``usage`` key on content chunks, ``finish_reason`` on the last only)."""
+
+    def __init__(self, req: AudioRequest) -> None:
+        self.req = req
+        self.kind = "transcription.chunk" if req.task == "transcribe" else "translation.chunk"
+        self.rid = ("trsc-" if req.task == "transcribe" else "trsl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def word(self, words: list[str], i: int) -> bytes:
+        choice: dict[str, Any] = {"delta": {"content": words[i] if i == 0 else " " + words[i]}}
         if i == len(words) - 1:
             choice.update(finish_reason="stop", stop_reason=None)
-        yield sse({"id": rid, "object": kind, "created": created, "model": req.model, "choices": [choice]})
-    if req.include_usage:
-        prompt = count_tokens(" ".join(words))
-        usage = {"prompt_tokens": prompt, "completion_tokens": len(words), "total_tokens": prompt + len(words)}
-        yield sse({"id": rid, "object": kind, "created": created, "model": req.model, "choices": [],
-                   "usage": usage})
-    yield DONE
+        return sse({"id": self.rid, "object": self.kind, "created": self.created, "model": self.req.model,
+                    "choices": [choice]})
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        return sse({"id": self.rid, "object": self.kind, "created": self.created, "model": self.req.model,
+                    "choices": [], "usage": usage})
