@@ -94,6 +94,12 @@ def test_audio_with_the_openai_sdk(stack: Stack) -> None:
     words = " ".join(transcript(audio))
     got = client.audio.transcriptions.create(model=MODEL, file=("a.wav", audio, "audio/wav"))
     assert got.text == words
+    verbose = client.audio.transcriptions.create(model=MODEL, file=("a.wav", audio), response_format="verbose_json")
+    assert verbose.text == words and float(verbose.duration) == 1.5
+    # vLLM streams chat-like transcription.chunk events, which the SDK yields as loose objects.
+    events = [e.model_dump() for e in client.audio.transcriptions.create(model=MODEL, file=("a.wav", audio),
+                                                                         stream=True)]
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events) == words
     # The SDK marks audio.translations deprecated (warnings are errors here): plain httpx for that one.
     translated = httpx.post(stack.base_url + "/audio/translations", data={"model": MODEL}, timeout=10,
                             files={"file": ("a.wav", audio, "audio/wav")})
@@ -334,5 +340,22 @@ def test_a_replica_dying_mid_transcription_ends_the_stream_with_an_error_event()
         assert [orjson.loads(e)["choices"][0]["delta"]["content"] for e in events[:2]] == [words[0], " " + words[1]]
         assert len(events) == 3 and "[DONE]" not in events  # partial output, then the error, never a fake end
         assert orjson.loads(events[2])["error"]["type"] == "upstream_error"
+    finally:
+        stack.close()
+
+
+def test_utility_requests_go_by_load_whatever_the_routing_policy() -> None:
+    stack = start_stack(2, sim={"timing": TimingModel(decode_base_s=0.1, time_scale=1.0)},
+                        routing={"policy": "prefix_affinity"})
+    try:
+        chat = {"model": MODEL, "max_tokens": 30, "stream": True,
+                "messages": [{"role": "user", "content": "hold this replica busy"}]}
+        with httpx.stream("POST", stack.base_url + "/chat/completions", json=chat, timeout=10) as busy:
+            next(busy.iter_lines())  # one request in flight on ``busy``'s replica
+            held = busy.headers["x-kvgate-replica"]
+            for path, body in [("/tokenize", {"prompt": "hold this replica busy"}),
+                               ("/classify", {"input": "hold this replica busy"})] * 2:
+                r = httpx.post(stack.url + path, json={"model": MODEL, **body}, timeout=10)
+                assert r.status_code == 200 and r.headers["x-kvgate-replica"] != held
     finally:
         stack.close()
