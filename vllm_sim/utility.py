@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from vllm_sim.config import SimConfig
-from vllm_sim.embeddings import embed
+from vllm_sim.embeddings import embed, input_token_ids
 from vllm_sim.protocol import resolve_model
 from vllm_sim.template import content_text, render_chat
 from vllm_sim.tokenizer import token_strs, tokenize
@@ -154,18 +154,7 @@ def score(body: dict[str, Any], config: SimConfig, rid: str, created: int) -> di
 def _inputs(body: dict[str, Any]) -> list[list[int]]:
     if body.get("messages") is not None:
         return [tokenize(_prompt_text(body, add_generation_prompt=bool(body.get("add_generation_prompt"))))]
-    value = body.get("input")
-    if isinstance(value, str):
-        return [tokenize(value)]
-    if isinstance(value, list) and value:
-        if all(isinstance(v, str) for v in value):
-            return [tokenize(v) for v in value]
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return [list(value)]
-        if all(isinstance(v, list) for v in value):
-            return [list(v) for v in value]
-    raise ApiError(400, "input must be a string, a list of strings or token ids, or messages given.",
-                   param="input")
+    return input_token_ids(body.get("input"))  # the same input forms as /v1/embeddings
 
 
 def pooling(body: dict[str, Any], config: SimConfig, rid: str, created: int) -> dict[str, Any]:
