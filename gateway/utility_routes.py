@@ -92,27 +92,27 @@ class UtilityEndpoint(ProxyEndpoint):
                        started: float) -> RequestContext:
         rt = self.rt
         tenant = stages.authenticate(rt, headers, scope.get("query_string", b""))
-        limits = rt.settings.limits
-        ctype = headers.get("content-type", "" if self.endpoint in _AUDIO else "application/json")
+        audio = self.endpoint in _AUDIO
+        ctype = headers.get("content-type", "" if audio else "application/json")
         media = ctype.split(";", 1)[0].strip().lower()
-        if self.endpoint not in _AUDIO and media != "application/json" and not media.endswith("+json"):
+        if not audio and media != "application/json" and not media.endswith("+json"):
             raise BadRequest("Content-Type must be application/json", code="invalid_content_type")
+        limits = rt.settings.limits
         raw = await read_body(receive, limit=limits.max_body_bytes, content_length=headers.get("content-length"),
                               deadline_s=rt.settings.timeouts.body_receive_s)
-        stream = False
-        if self.endpoint in _AUDIO:
-            audio = audio_body(raw, ctype)
-            body: dict[str, Any] = {"model": audio.model}
-            model, stream, payload = audio.model, audio.stream, audio.payload
-        else:
-            body = parse_json(raw, max_depth=limits.max_json_depth)
-            model = validate_utility(self.endpoint, body)
-            payload, ctype = b"", "application/json"
-        ctx = UtilityContext(rid, self.endpoint, headers, body, model, tenant, stream, False, started,
-                             path=scope["path"], payload=payload, content_type=ctype)
+        if audio:
+            form = audio_body(raw, ctype)
+            ctx = UtilityContext(rid, self.endpoint, headers, {"model": form.model}, form.model, tenant,
+                                 form.stream, False, started, path=scope["path"], payload=form.payload,
+                                 content_type=ctype)
+            await stages.admit(rt, ctx)  # the form's forbidden fields are already gone from the payload
+            return ctx
+        body = parse_json(raw, max_depth=limits.max_json_depth)
+        model = validate_utility(self.endpoint, body)
+        ctx = UtilityContext(rid, self.endpoint, headers, body, model, tenant, False, False, started,
+                             path=scope["path"])
         await stages.admit(rt, ctx)
-        if self.endpoint not in _AUDIO:
-            ctx.payload = orjson.dumps(ctx.body)  # after admit: stripped fields gone, salt set
+        ctx.payload = orjson.dumps(ctx.body)  # after admit: stripped fields gone, salt set
         return ctx
 
     async def _serve(self, ctx: RequestContext, exchange: Exchange) -> tuple[str, Outcome | None]:
