@@ -111,7 +111,8 @@ def without_fields(body: bytes, parts: list[Part], names: Collection[str]) -> by
     """``body`` minus the parts named in ``names`` (the others byte for byte, in order)."""
     if not parts or not any(p.name in names for p in parts):
         return body
-    out = [body[: parts[0].start]]
-    out.extend(body[p.start : p.end] for p in parts if p.name not in names)
-    out.append(body[parts[-1].end :])
+    view = memoryview(body)  # slices without copies: the join is the one copy of an upload
+    out = [view[: parts[0].start]]
+    out.extend(view[p.start : p.end] for p in parts if p.name not in names)
+    out.append(view[parts[-1].end :])
     return b"".join(out)
