@@ -3,8 +3,9 @@
 One simulated replica (``vllm_sim``, time scale 0: it answers at once) and one
 kvgate in front of it, each in its own process; this script sends the same
 requests, one at a time on a kept-alive connection, to each in turn and prints
-p50 / p99 and what kvgate adds. Then the cost of the one extra pass kvgate makes
-over an upload it has read whole (find the fields, drop the forbidden ones:
+p50 / p99 and what kvgate adds, with a one-token chat request as the reference.
+Then the cost of the one extra pass kvgate makes over an upload it has read
+whole (find the fields, drop the forbidden ones:
 ``gateway.utility_validate.audio_body``), per body size.
 
     python -m bench.utility_overhead                   # 300 requests a cell
@@ -46,7 +47,9 @@ def wav(seconds: float, rate: int = 16000) -> bytes:
 def cases() -> list[tuple[str, str, dict[str, Any]]]:
     """(label, path, httpx.post keyword arguments)."""
     docs = [f"Document {i} about shipping, refunds and the weather in spring." for i in range(8)]
+    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": docs[0]}]}
     return [
+        ("chat, 1 token (reference)", "/v1/chat/completions", {"json": chat}),
         ("tokenize 40 tokens", "/tokenize", {"json": {"model": MODEL, "prompt": " ".join(docs[:2])}}),
         ("rerank 8 documents", "/rerank", {"json": {"model": MODEL, "query": "refunds", "documents": docs}}),
         ("classify", "/classify", {"json": {"model": MODEL, "input": docs[0]}}),
