@@ -24,15 +24,14 @@ from policies.salt import STRIPPED_FIELDS
 
 from .errors import BadRequest
 from .multipart import boundary_of, field_text, parse_parts, without_fields
-from .validate import _model as require_model  # the same rule and wording as chat's
+# The same rules and wording as chat's model and the embeddings' input.
+from .validate import _input as check_input
+from .validate import _is_int
+from .validate import _model as require_model
 
 __all__ = ["AudioBody", "audio_body", "validate_utility"]
 
 _SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _missing(name: str) -> BadRequest:
@@ -57,16 +56,6 @@ def _messages(body: dict[str, Any]) -> None:
         raise BadRequest("'messages' must be a non-empty array of objects", param="messages", code="invalid_type")
 
 
-def _input(body: dict[str, Any]) -> None:
-    value = body["input"]
-    ok = isinstance(value, str) or (isinstance(value, list) and value and (
-        all(isinstance(v, str) for v in value) or all(_is_int(v) for v in value)
-        or all(isinstance(v, list) and all(_is_int(t) for t in v) for v in value)))
-    if not ok:
-        raise BadRequest("'input' must be a string, a list of strings, token ids or lists of token ids",
-                         param="input", code="invalid_type")
-
-
 def _text_or_messages(body: dict[str, Any], text: str, extra: tuple[str, ...] = ()) -> None:
     """Exactly one of ``text`` / ``messages`` (or one of ``extra``, e.g. a plugin's ``data``)."""
     given = [k for k in (text, "messages", *extra) if body.get(k) is not None]
@@ -79,7 +68,7 @@ def _text_or_messages(body: dict[str, Any], text: str, extra: tuple[str, ...] = 
     if given[0] == "messages":
         _messages(body)
     elif given[0] == "input":
-        _input(body)
+        check_input(body)
     elif given[0] == "prompt" and not isinstance(body["prompt"], str):
         raise BadRequest("'prompt' must be a string", param="prompt", code="invalid_type")
 
