@@ -15,14 +15,11 @@ whole (find the fields, drop the forbidden ones:
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import statistics
-import struct
 import subprocess
 import sys
 import time
-import wave
 from typing import Any
 
 import httpx
@@ -30,18 +27,9 @@ import httpx
 from bench.loadgen import percentile
 from bench.overhead import ROOT, Target, _free_port, _wait_http, start_gateway
 from gateway.utility_validate import audio_body
+from vllm_sim.audio import synthetic_wav as wav
 
 MODEL = "sim-model"
-
-
-def wav(seconds: float, rate: int = 16000) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(struct.pack(f"<{int(rate * seconds)}h", *((i * 37) % 3000 for i in range(int(rate * seconds)))))
-    return out.getvalue()
 
 
 def cases() -> list[tuple[str, str, dict[str, Any]]]:

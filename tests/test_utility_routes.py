@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import io
-import struct
 import time
-import wave
 from typing import Any, Iterator
 
 import httpx
@@ -17,19 +14,13 @@ from gateway.app import build_app
 from gateway.settings import load_settings
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL, Stack, start_stack
-from vllm_sim.audio import transcript
+from vllm_sim.audio import synthetic_wav, transcript
 from vllm_sim.faults import Faults
 from vllm_sim.timing import TimingModel
 
 
-def wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(b"".join(struct.pack("<h", (i * 37) % 3000) for i in range(int(rate * seconds))))
-    return out.getvalue()
+def wav(seconds: float = 1.5) -> bytes:
+    return synthetic_wav(seconds)
 
 
 JSON_ROUTES: list[tuple[str, str, dict[str, Any], str]] = [

@@ -20,7 +20,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.test_utility_routes import wav
+from vllm_sim.audio import synthetic_wav as wav
 from vllm_sim.config import SimConfig
 from vllm_sim.server import build_app
 

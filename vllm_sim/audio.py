@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 import time
 import uuid
 import wave
@@ -26,7 +27,8 @@ from typing import Any, Literal
 
 from vllm_sim.wire import ApiError, sse
 
-__all__ = ["AudioRequest", "StreamFormat", "Task", "audio_response", "audio_tokens", "duration_s", "transcript"]
+__all__ = ["AudioRequest", "StreamFormat", "Task", "audio_response", "audio_tokens", "duration_s", "synthetic_wav",
+           "transcript"]
 
 Task = Literal["transcribe", "translate"]
 _WORDS = ("the", "sound", "of", "rain", "on", "a", "quiet", "street", "and", "distant", "voices",
@@ -59,6 +61,18 @@ class AudioRequest:
         if self.include_usage and not self.stream:
             raise ApiError(400, "Stream options can only be defined when `stream=True`.",
                            param="stream_include_usage")
+
+
+def synthetic_wav(seconds: float, rate: int = 16000) -> bytes:
+    """A mono 16-bit WAV of ``seconds`` (a sawtooth), for tests and benchmarks to upload."""
+    frames = int(rate * seconds)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(struct.pack(f"<{frames}h", *((i * 37) % 3000 for i in range(frames))))
+    return out.getvalue()
 
 
 def duration_s(audio: bytes) -> float:
