@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any, Iterator
 
@@ -348,5 +349,21 @@ def test_utility_requests_go_by_load_whatever_the_routing_policy() -> None:
                                ("/classify", {"input": "hold this replica busy"})] * 2:
                 r = httpx.post(stack.url + path, json={"model": MODEL, **body}, timeout=10)
                 assert r.status_code == 200 and r.headers["x-kvgate-replica"] != held
+    finally:
+        stack.close()
+
+
+def test_a_client_leaving_mid_upload_sends_nothing_upstream() -> None:
+    stack = start_stack(1)
+    try:
+        body, ctype = _multipart(("model", None, MODEL.encode()), ("file", "a.wav", wav(1.0)))
+        head = (f"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\ncontent-type: {ctype}\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=5) as sock:
+            sock.sendall(head + body[: len(body) // 2])
+            time.sleep(0.2)
+        assert stack.wait_for(lambda: 'endpoint="transcriptions",replica="-",status="499"'
+                              in httpx.get(stack.url + "/metrics", timeout=5).text, timeout=3.0)
+        assert stack.sim_stats("r1")["requests"] == 0
     finally:
         stack.close()

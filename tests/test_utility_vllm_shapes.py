@@ -114,8 +114,10 @@ def test_sim_utility_shapes_match_vllm_protocol_models(tmp_path: Path) -> None:
     pairs = asyncio.run(_collect())
     data = tmp_path / "shapes.json"
     data.write_text(json.dumps(pairs))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not ours
+    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     out = subprocess.run([python, "-c", _CHECK, str(data)], check=False, capture_output=True, text=True,
-                         timeout=280, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, cwd=tmp_path)
+                         timeout=280, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert failures == [], "\n".join(failures)
