@@ -3,7 +3,8 @@
 One simulated replica (``vllm_sim``, time scale 0: it answers at once) and one
 kvgate in front of it, each in its own process; this script sends the same
 requests, one at a time on a kept-alive connection, to each in turn and prints
-p50 / p99 and what kvgate adds, with a one-token chat request as the reference.
+p50 / p99, what kvgate adds, and kvgate's CPU time per request (from /proc: the
+steadiest figure on a busy machine), with a one-token chat request as the reference.
 Then the cost of the one extra pass kvgate makes over an upload it has read
 whole (find the fields, drop the forbidden ones:
 ``gateway.utility_validate.audio_body``), per body size.
@@ -25,7 +26,7 @@ from typing import Any
 import httpx
 
 from bench.loadgen import percentile
-from bench.overhead import ROOT, Target, _free_port, _wait_http, start_gateway
+from bench.overhead import ROOT, Target, _free_port, _wait_http, cpu_seconds, start_gateway
 from gateway.utility_validate import audio_body
 from vllm_sim.audio import synthetic_wav as wav
 
@@ -48,15 +49,19 @@ def cases() -> list[tuple[str, str, dict[str, Any]]]:
     ]
 
 
-def measure(client: httpx.Client, url: str, kwargs: dict[str, Any], n: int) -> tuple[float, float]:
+def measure(client: httpx.Client, url: str, kwargs: dict[str, Any], n: int,
+            pid: int | None = None) -> tuple[float, float, float]:
+    """p50 and p99 in ms, and the CPU µs per request of process ``pid`` (nan without one)."""
     for _ in range(min(20, n)):  # warm-up: connections, caches
         client.post(url, **kwargs).raise_for_status()
     lat = []
+    cpu0 = cpu_seconds(pid) if pid is not None else 0.0
     for _ in range(n):
         t = time.perf_counter()
         client.post(url, **kwargs).raise_for_status()
         lat.append(time.perf_counter() - t)
-    return percentile(lat, 50) * 1000, percentile(lat, 99) * 1000
+    cpu = (cpu_seconds(pid) - cpu0) / n * 1e6 if pid is not None else float("nan")
+    return percentile(lat, 50) * 1000, percentile(lat, 99) * 1000, cpu
 
 
 def _form(audio: bytes, boundary: str, extra: str) -> bytes:
@@ -99,16 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     procs = [sim]
     try:
         _wait_http(f"http://127.0.0.1:{sim_port}/health")
-        procs.append(start_gateway(Target("kvgate", gw_port), sim_port, replicas=1))
-        print(f"{'request':<30}{'target':<8}{'p50 ms':>9}{'p99 ms':>9} | {'added p50':>9}{'added p99':>10}")
-        print("-" * 78)
+        gateway = start_gateway(Target("kvgate", gw_port), sim_port, replicas=1)
+        procs.append(gateway)
+        print(f"{'request':<30}{'target':<8}{'p50 ms':>9}{'p99 ms':>9} | {'added p50':>9}{'added p99':>10}"
+              f" | {'kvgate CPU µs/req':>17}")
+        print("-" * 98)
         with httpx.Client(timeout=30) as client:
             for label, path, kwargs in cases():
-                d50, d99 = measure(client, f"http://127.0.0.1:{sim_port}{path}", kwargs, args.requests)
-                k50, k99 = measure(client, f"http://127.0.0.1:{gw_port}{path}", kwargs, args.requests)
+                d50, d99, _ = measure(client, f"http://127.0.0.1:{sim_port}{path}", kwargs, args.requests)
+                k50, k99, cpu = measure(client, f"http://127.0.0.1:{gw_port}{path}", kwargs, args.requests,
+                                        gateway.pid)
                 print(f"{label:<30}{'direct':<8}{d50:>9.3f}{d99:>9.3f} |")
-                print(f"{'':<30}{'kvgate':<8}{k50:>9.3f}{k99:>9.3f} | {k50 - d50:>9.3f}{k99 - d99:>10.3f}",
-                      flush=True)
+                print(f"{'':<30}{'kvgate':<8}{k50:>9.3f}{k99:>9.3f} | {k50 - d50:>9.3f}{k99 - d99:>10.3f}"
+                      f" | {cpu:>17.0f}", flush=True)
         parse_cost([0.0625, 1, 10])
     finally:
         for proc in procs:
