@@ -67,6 +67,9 @@ UTILITY_PATHS = {
     "/v1/audio/translations": "translations",
 }
 _AUDIO = frozenset({"transcriptions", "translations"})
+# The transcript formats OpenAI's audio API answers as text (response_format text, srt, vtt);
+# vLLM 0.33 answers text as JSON and refuses srt/vtt, but a newer one or another server may not.
+_TEXT_ANSWERS = frozenset({"text/plain", "text/vtt", "text/srt", "application/x-subrip"})
 _BY_LOAD = LeastLoad()
 
 
@@ -152,7 +155,7 @@ class UtilityEndpoint(ProxyEndpoint):
             await attempt.close()
 
     async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
-        """By what the replica sent: SSE (a streamed transcription), JSON, or other text (srt, vtt)."""
+        """By what the replica sent: SSE (a streamed transcription), JSON, or a transcript as text."""
         timeouts = self.rt.settings.timeouts
         media = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media == "text/event-stream":
@@ -162,13 +165,16 @@ class UtilityEndpoint(ProxyEndpoint):
                                       stall_s=timeouts.stall_s, started_at=ctx.started)
         if media == "application/json":
             return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s)
-        return await relay_bytes(response, exchange, timeout_s=timeouts.non_stream_s,
-                                 content_type=response.headers.get("content-type", "application/octet-stream"))
+        if media in _TEXT_ANSWERS:
+            return await relay_bytes(response, exchange, timeout_s=timeouts.non_stream_s,
+                                     content_type=response.headers["content-type"])
+        # A 200 text/html is an ingress or captive portal answering for the replica, as on chat.
+        raise UpstreamError("replica sent an invalid answer")
 
 
 async def relay_bytes(response: httpx.Response, exchange: Exchange, *, timeout_s: float, content_type: str,
                       max_bytes: int = 64 * 1024 * 1024) -> Outcome:
-    """A non-JSON answer (``response_format=text|srt|vtt``), whole, with the replica's content type."""
+    """A transcript as text, whole, with the replica's content type."""
     body = await read_whole(response, timeout_s=timeout_s, max_bytes=max_bytes)
     await exchange.start(200, [(b"content-type", content_type.encode("latin-1")),
                                (b"content-length", str(len(body)).encode())])

@@ -230,6 +230,9 @@ def test_a_replica_error_is_passed_through_in_openai_shape() -> None:
         r = httpx.post(stack.url + "/v1/audio/transcriptions", data={"model": MODEL},
                        files={"file": ("a.wav", wav(0.1), "audio/wav")}, timeout=10)
         assert r.status_code == 502 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        stack.faults("r1", html_200=True)  # an ingress answering 200 text/html for the replica
+        r = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "prompt": "x"}, timeout=10)
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
     finally:
         stack.close()
 
