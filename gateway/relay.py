@@ -161,9 +161,8 @@ async def relay_whole(
     return outcome
 
 
-async def read_whole(response: httpx.Response, *, timeout_s: float,
-                     max_bytes: int = 64 * 1024 * 1024) -> tuple[bytes, dict[str, Any]]:
-    """A whole non-streamed answer: its bytes and its JSON object (anything else is a 502)."""
+async def read_raw(response: httpx.Response, *, timeout_s: float, max_bytes: int = 64 * 1024 * 1024) -> bytes:
+    """A whole non-streamed answer's bytes, bounded in time and size."""
     raw = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
@@ -175,7 +174,13 @@ async def read_whole(response: httpx.Response, *, timeout_s: float,
         raise UpstreamTimeout("replica did not answer in time") from None
     except httpx.HTTPError:
         raise UpstreamError("replica connection failed") from None
-    body = bytes(raw)
+    return bytes(raw)
+
+
+async def read_whole(response: httpx.Response, *, timeout_s: float,
+                     max_bytes: int = 64 * 1024 * 1024) -> tuple[bytes, dict[str, Any]]:
+    """A whole non-streamed answer: its bytes and its JSON object (anything else is a 502)."""
+    body = await read_raw(response, timeout_s=timeout_s, max_bytes=max_bytes)
     try:
         obj: Any = orjson.loads(body)
     except orjson.JSONDecodeError:

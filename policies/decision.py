@@ -5,7 +5,8 @@
   2. ``strip_client_fields``: fields no client may set never reach upstream;
   3. ``normalize_tools`` when the tenant opted in (before hygiene, so hygiene
      judges what upstream will actually render);
-  4. the tenant's ``cache_salt`` (chat, text completions and responses: the routes vLLM salts);
+  4. the tenant's ``cache_salt`` (chat, text completions, responses and the pooling routes:
+     the routes whose vLLM request model has the field);
   5. prompt hygiene of the final body (chat, and responses seen as chat; completions
      carry a raw prompt with no message structure to find the boundary in).
 It performs no I/O and keeps no state; ``engine.PolicyEngine`` adds the rate
@@ -27,7 +28,9 @@ from .tenants import Tenant, allows_model
 
 Endpoint = Literal["chat", "completions", "embeddings", "responses", "other"]
 PREFIX_WARNING_HEADER = "x-kvgate-prefix-warning"
-_SALTED: frozenset[str] = frozenset({"chat", "completions", "responses"})
+# vLLM's pooling requests (rerank, score, pooling, classify) take cache_salt too
+# (PoolingBasicRequestMixin): a pooling model with prefix caching has the same side channel.
+_SALTED: frozenset[str] = frozenset({"chat", "completions", "responses", "rerank", "score", "pooling", "classify"})
 
 
 @dataclass(frozen=True, slots=True)
