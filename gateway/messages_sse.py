@@ -24,6 +24,8 @@ from typing import Any
 
 import orjson
 
+from .errors import GatewayError
+from .messages_api import ANTHROPIC_SHAPE
 from .sse import StreamObserver, Usage, _event_data, _int_or_none
 
 __all__ = ["MessagesObserver", "WholeMessage", "anthropic_usage", "whole_message"]
@@ -48,6 +50,9 @@ class MessagesObserver(StreamObserver):
         # message_start carries the prompt, message_delta the totals (and vLLM's cache
         # figures); a field a later event leaves out keeps its earlier value.
         self._usage_fields: dict[str, Any] = {}
+
+    def error_event(self, err: GatewayError) -> bytes:
+        return ANTHROPIC_SHAPE.event(err)  # what the anthropic SDK raises from its stream iterator
 
     def _take_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):

@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 log = logging.getLogger("kvgate.stages")
-# "messages" is looked at only to be bypassed, counted and labelled (x-kvgate-cache: bypass):
-# semantic_cache keys and replays chat and completions answers only (README, "Messages API").
-_CACHEABLE = ("chat", "completions", "messages")
+# Looked up by the cache: responses and messages only to be bypassed, their reason counted in
+# metrics (x-kvgate-cache: bypass). semantic_cache keys and replays chat and completions answers only.
+_CACHEABLE = ("chat", "completions", "responses", "messages")
 
 
 def authenticate(rt: "Runtime", headers: dict[str, str], query_string: bytes) -> "Tenant":

@@ -5,11 +5,11 @@
   2. ``strip_client_fields``: fields no client may set never reach upstream;
   3. ``normalize_tools`` when the tenant opted in, on chat and messages (before
      hygiene, so hygiene judges what upstream will actually render);
-  4. the tenant's ``cache_salt`` (chat, text completions and Anthropic
-     messages: vLLM 0.33 takes it on all three);
-  5. prompt hygiene of the final body (chat, and messages read as their chat
-     view; completions carry a raw prompt with no message structure to find
-     the boundary in).
+  4. the tenant's ``cache_salt`` (chat, text completions, responses, Anthropic
+     messages and the pooling routes: the routes whose vLLM request model has the field);
+  5. prompt hygiene of the final body (chat, and responses and messages seen as
+     chat; completions carry a raw prompt with no message structure to find the
+     boundary in).
 It performs no I/O and keeps no state; ``engine.PolicyEngine`` adds the rate
 limiter and the cross-request hygiene tracker around it.
 """
@@ -25,13 +25,20 @@ from routing.messages_view import chat_view
 from .errors import ModelNotAllowed, PolicyError
 from .hygiene import PrefixWarning, analyze, warning_kinds
 from .normalize import normalize_tools
+from .responses_view import as_chat
 from .salt import apply_salt, strip_client_fields
 from .tenants import Tenant, allows_model
 
-Endpoint = Literal["chat", "completions", "embeddings", "messages", "count_tokens", "other"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "messages", "count_tokens", "other"]
 PREFIX_WARNING_HEADER = "x-kvgate-prefix-warning"
-_SALTED: frozenset[str] = frozenset({"chat", "completions", "messages"})
-_HYGIENE: frozenset[str] = frozenset({"chat", "messages"})  # message structure: hygiene, tool normalising
+# vLLM's pooling requests (rerank, score, pooling, classify) take cache_salt too
+# (PoolingBasicRequestMixin): a pooling model with prefix caching has the same side channel.
+# So does vLLM 0.33's AnthropicMessagesRequest (its count_tokens request does not).
+_SALTED: frozenset[str] = frozenset({"chat", "completions", "responses", "messages", "rerank", "score", "pooling",
+                                     "classify"})
+_HYGIENE: frozenset[str] = frozenset({"chat", "responses", "messages"})  # bodies with a message structure
+# Anthropic tools render through vLLM's chat template as chat's do.
+_TOOLS_NORMALISED: frozenset[str] = frozenset({"chat", "messages"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +84,9 @@ def warning_headers(warnings: tuple[PrefixWarning, ...] | list[PrefixWarning]) -
 
 
 def hygiene_body(endpoint: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """What hygiene reads: a chat body as it is, a Messages body as its chat view (system first)."""
+    """What hygiene reads: a chat body as it is; a Responses or Messages body as the chat it becomes."""
+    if endpoint == "responses":
+        return as_chat(body)
     return chat_view(dict(body)) if endpoint == "messages" else body
 
 
@@ -93,7 +102,7 @@ def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "c
     if isinstance(model, str) and not allows_model(tenant, model):
         return PolicyDecision(tenant, body, rejection=Rejection.from_error(ModelNotAllowed(model)))
     out, stripped = strip_client_fields(body)
-    if tenant.normalize_tools and endpoint in _HYGIENE:  # Anthropic tools render through vLLM's chat template too
+    if tenant.normalize_tools and endpoint in _TOOLS_NORMALISED:
         out = normalize_tools(out, sort_tools=tenant.sort_tools)
     if endpoint in _SALTED:
         out = apply_salt(out, tenant.cache_salt)
