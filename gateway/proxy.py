@@ -23,7 +23,7 @@ from .context import RequestContext
 from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_body, request_id, \
     run_unless_disconnected
 from . import stages
-from .errors import BadRequest, GatewayError, UpstreamError, UpstreamTimeout, internal_error
+from .errors import OPENAI_SHAPE, BadRequest, ErrorShape, GatewayError, UpstreamError, UpstreamTimeout, internal_error
 from .messages_api import MESSAGES_ENDPOINTS, MESSAGES_PATHS, shape_for, upstream_headers, validate_messages
 from .messages_sse import MessagesObserver
 from .relay import Outcome, relay_stream, relay_whole
@@ -43,6 +43,10 @@ _UNARY = ("embeddings", "count_tokens")
 
 
 class ProxyEndpoint:
+    # Class defaults, so a subclass with its own __init__ (utility routes) keeps OpenAI's shape.
+    shape: ErrorShape = OPENAI_SHAPE
+    anthropic = False
+
     def __init__(self, endpoint: str, runtime: "Runtime") -> None:
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
