@@ -1,0 +1,176 @@
+"""Precise mode's source of truth: every replica's KV events, one index, and what is still on its way.
+
+``KVEvents`` owns an ``EventStream`` per replica that publishes events (from
+``replicas[].kv_events`` or, for replicas found through DNS, from
+``routing.kv_events_port``), the ``KVEventIndex`` they feed, and a small
+overlay of this instance's own requests still in flight: a request sent a
+moment ago has not produced its events yet, and the next request with the same
+prefix should still find it. The overlay is this instance's only private
+knowledge; it lasts until the request is served (by then its blocks' events
+have been published) or ``pending_s``.
+
+The cost model asks ``held`` per request: the tier-weighted cached blocks of
+the request's prefix on every replica whose stream is ``live``. Replicas
+missing from the answer are routed on the approximate index; that is the
+degraded mode, reported in ``stats`` and ``degraded`` (``/readyz``), never an
+error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import zmq.asyncio
+
+from .kv_consumer import EventStream
+from .kv_index import KVEventIndex
+from .kv_wire import Batch
+
+__all__ = ["KVEvents", "Endpoints"]
+
+# (PUB endpoint, replay endpoint or None) per replica name.
+Endpoints = Mapping[str, "tuple[str, str | None]"]
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    keys: Sequence[int]
+    name: str
+    deadline: float
+    open: bool = True
+
+
+class KVEvents:
+    def __init__(self, block_size: int = 16, *, cpu_weight: float = 0.5, stale_s: float = 5.0,
+                 pending_s: float = 60.0, max_blocks: int = 1 << 21,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = KVEventIndex(block_size, cpu_weight=cpu_weight, max_blocks=max_blocks)
+        self.block_size = block_size
+        self.stale_s = stale_s
+        self.pending_s = pending_s
+        self._clock = clock
+        self.streams: dict[str, EventStream] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pending: dict[int, list[str]] = {}  # own key -> replicas it was just sent to
+        self._queue: deque[_Pending] = deque()
+
+    # -- membership --------------------------------------------------------------------
+    def sync(self, endpoints: Endpoints) -> None:
+        """Subscribe to replicas that joined, forget the ones that left (needs a running loop)."""
+        for name in list(self.streams):
+            if name not in endpoints or (self.streams[name].endpoint, self.streams[name].replay_endpoint) \
+                    != tuple(endpoints[name]):
+                self._drop(name)
+        for name, (pub, replay) in endpoints.items():
+            if name not in self.streams:
+                if self._ctx is None:
+                    self._ctx = zmq.asyncio.Context()
+                stream = EventStream(name, pub, replay, self._apply, self.index.clear, ctx=self._ctx,
+                                     stale_s=self.stale_s, clock=self._clock)
+                self.streams[name] = stream
+                self._tasks[name] = asyncio.ensure_future(stream.run())
+
+    def _drop(self, name: str) -> None:
+        self.streams.pop(name, None)
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        self.index.remove_replica(name)
+
+    async def aclose(self) -> None:
+        tasks = list(self._tasks.values())
+        for name in list(self.streams):
+            self._drop(name)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _apply(self, name: str, batch: Batch) -> None:
+        self.index.apply(name, batch)
+
+    # -- what the cost model asks ----------------------------------------------------------
+    def live(self, name: str) -> bool:
+        stream = self.streams.get(name)
+        return stream is not None and stream.live
+
+    def held(self, keys: Sequence[int], names: Iterable[str]) -> dict[str, float]:
+        """Cached blocks of ``keys``' prefix per replica with a live stream (the others are absent)."""
+        live = [n for n in names if self.live(n)]
+        if not live or not keys:
+            return {n: 0.0 for n in live}
+        out = self.index.held(keys, live)
+        self._expire()
+        if self._pending:
+            for name, depth in self._pending_depths(keys, live).items():
+                if depth > out[name]:
+                    out[name] = float(depth)
+        return out
+
+    def sent(self, name: str, keys: Sequence[int], new_blocks: bool) -> _Pending | None:
+        """A request with these block keys went to ``name``: hold it there until it is served."""
+        stream = self.streams.get(name)
+        if stream is None or not keys:
+            return None
+        if new_blocks:
+            stream.expect()  # it will store blocks, so events must follow
+        self._expire()
+        entry = _Pending(keys, name, self._clock() + self.pending_s)
+        for key in keys:
+            self._pending.setdefault(key, []).append(name)
+        self._queue.append(entry)
+        return entry
+
+    def done(self, entry: Any) -> None:
+        """The request was served (or given up): its prefix is now the events' to report."""
+        if isinstance(entry, _Pending) and entry.open:
+            entry.open = False
+            for key in entry.keys:
+                names = self._pending.get(key)
+                if names is not None:
+                    names.remove(entry.name)
+                    if not names:
+                        del self._pending[key]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        queue = self._queue
+        while queue and (not queue[0].open or queue[0].deadline < now):
+            self.done(queue.popleft())
+
+    def _pending_depths(self, keys: Sequence[int], names: list[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        alive = set(names)
+        pending = self._pending
+        for i, key in enumerate(keys):
+            here = alive.intersection(pending.get(key, ()))
+            for n in alive - here:
+                out[n] = i
+            alive = here
+            if not alive:
+                break
+        for n in alive:
+            out[n] = len(keys)
+        return out
+
+    # -- reporting -------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        replicas = {}
+        for name, stream in sorted(self.streams.items()):
+            s = stream.stats()
+            replicas[name] = {"mode": "precise" if stream.live else "approximate", **s,
+                              "index": self.index.stats(name)}
+        return {"block_size": self.block_size, "index_blocks": len(self.index), "pending": len(self._queue),
+                "replicas": replicas}
+
+    def degraded(self) -> list[str]:
+        out = []
+        for name, stream in sorted(self.streams.items()):
+            if not stream.live:
+                out.append(f"kv events {name}: {stream.state}, routed on the approximate index")
+        return out
