@@ -245,12 +245,14 @@ class KVPool:
         Blocks pinned by running requests stay (vLLM refuses a prefix-cache reset
         while requests run; the simulator resets what it can).
         """
+        if self._events is not None:
+            # vLLM reports a prefix-cache reset as one event (it refuses one while blocks
+            # are in use); with pinned blocks kept, only the dropped ones are removed.
+            self._events.append(Cleared() if not self._refs.keys() - self._evictable.keys()
+                                else Removed(tuple(self._evictable)))
         for h in self._evictable:
             del self._refs[h]
         self._evictable.clear()
-        if self._events is not None:
-            # vLLM reports a prefix-cache reset as one event, not a removal per block.
-            self._events.append(Cleared())
         self.queries_tokens = 0
         self.hits_tokens = 0
         return self._pinned == 0
