@@ -191,6 +191,9 @@ class EventStream:
             if got:
                 self._replayed_from = got[0][0]
                 await self._take_all(got)
+            elif got is not None:
+                # Nothing published yet: the next batch is number 0, and a later one is a gap.
+                self.last_seq = -1
         self.synced = True
 
     async def _fill(self, first: int, upto: int) -> bool:

@@ -53,8 +53,8 @@ def test_decodes_tagged_maps_and_legacy_arrays_alike() -> None:
     tagged = msgpack.packb([1.5, [_stored_map(extra_keys=[["acme"], None]),
                                   {"type": "BlockRemoved", "block_hashes": [2], "medium": "cpu"},
                                   {"type": "AllBlocksCleared"}], 0])
-    legacy = msgpack.packb([1.5, [["BlockStored", [1, 2], None, list(range(8)), BS, None, "GPU", None, [["acme"], None]],
-                                  ["BlockRemoved", [2], "cpu"], ["AllBlocksCleared"]], 0])
+    stored = ["BlockStored", [1, 2], None, list(range(8)), BS, None, "GPU", None, [["acme"], None]]
+    legacy = msgpack.packb([1.5, [stored, ["BlockRemoved", [2], "cpu"], ["AllBlocksCleared"]], 0])
     want = Batch(1.5, (Stored((1, 2), None, tuple(range(8)), BS, "GPU", "acme", None), Removed((2,), "CPU"),
                        Cleared()), 0)
     assert decode_batch(tagged) == want
