@@ -44,6 +44,18 @@ class _Pending:
     open: bool = True
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading keys two chains share: chained keys agree up to a point and never again, so bisect."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class KVEvents:
     def __init__(self, block_size: int = 16, *, cpu_weight: float = 0.5, stale_s: float = 5.0,
                  pending_s: float = 60.0, max_blocks: int = 1 << 21,
@@ -56,7 +68,7 @@ class KVEvents:
         self.streams: dict[str, EventStream] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ctx: zmq.asyncio.Context | None = None
-        self._pending: dict[int, list[str]] = {}  # own key -> replicas it was just sent to
+        self._pending: dict[int, list[_Pending]] = {}  # first block's key -> requests in flight
         self._queue: deque[_Pending] = deque()
 
     # -- membership --------------------------------------------------------------------
@@ -106,23 +118,24 @@ class KVEvents:
             return {n: 0.0 for n in live}
         out = self.index.held(keys, live)
         self._expire()
-        if self._pending:
-            for name, depth in self._pending_depths(keys, live).items():
-                if depth > out[name]:
-                    out[name] = float(depth)
+        for entry in self._pending.get(keys[0], ()):
+            if entry.open and entry.name in out:
+                depth = _common_prefix(keys, entry.keys)
+                if depth > out[entry.name]:
+                    out[entry.name] = float(depth)
         return out
 
     def sent(self, name: str, keys: Sequence[int], new_blocks: bool) -> _Pending | None:
         """A request with these block keys went to ``name``: hold it there until it is served."""
-        stream = self.streams.get(name)
-        if stream is None or not keys:
+        if not keys:
             return None
-        if new_blocks:
+        stream = self.streams.get(name)
+        if stream is not None and new_blocks:
             stream.expect()  # it will store blocks, so events must follow
         self._expire()
         entry = _Pending(keys, name, self._clock() + self.pending_s)
-        for key in keys:
-            self._pending.setdefault(key, []).append(name)
+        # Filed under the first block's key: only requests sharing it can share any block.
+        self._pending.setdefault(keys[0], []).append(entry)
         self._queue.append(entry)
         return entry
 
@@ -130,33 +143,17 @@ class KVEvents:
         """The request was served (or given up): its prefix is now the events' to report."""
         if isinstance(entry, _Pending) and entry.open:
             entry.open = False
-            for key in entry.keys:
-                names = self._pending.get(key)
-                if names is not None:
-                    names.remove(entry.name)
-                    if not names:
-                        del self._pending[key]
+            entries = self._pending.get(entry.keys[0])
+            if entries is not None:
+                entries.remove(entry)
+                if not entries:
+                    del self._pending[entry.keys[0]]
 
     def _expire(self) -> None:
         now = self._clock()
         queue = self._queue
         while queue and (not queue[0].open or queue[0].deadline < now):
             self.done(queue.popleft())
-
-    def _pending_depths(self, keys: Sequence[int], names: list[str]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        alive = set(names)
-        pending = self._pending
-        for i, key in enumerate(keys):
-            here = alive.intersection(pending.get(key, ()))
-            for n in alive - here:
-                out[n] = i
-            alive = here
-            if not alive:
-                break
-        for n in alive:
-            out[n] = len(keys)
-        return out
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

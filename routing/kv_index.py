@@ -131,7 +131,11 @@ class KVEventIndex:
                 st.dropped += len(e.block_hashes)
                 return
             parent = found
-        keys = block_keys(e.token_ids, bs, parent=parent)
+        try:
+            keys = block_keys(e.token_ids, bs, parent=parent)
+        except (TypeError, OverflowError):  # a token id that is not a 64-bit int
+            st.skipped += len(e.block_hashes)
+            return
         m = st.maps.setdefault(e.medium, {})
         tier = self._gpu if e.medium == GPU else self._low
         flag = 1 << st.bit

@@ -119,8 +119,8 @@ def _event(raw: Any) -> Event | None:
         size = f.get("block_size")
         if parent is not None and not isinstance(parent, (int, bytes)):
             raise WireError("parent_block_hash must be an int, bytes or nil")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise WireError("token_ids must be a list of ints")
+        if not isinstance(tokens, list):
+            raise WireError("token_ids must be a list of ints")  # their type is checked where they are keyed
         if not isinstance(size, int) or size < 1:
             raise WireError("block_size must be a positive int")
         return Stored(hashes, parent, tuple(tokens), size, _medium(f.get("medium")), _salt(f.get("extra_keys")),

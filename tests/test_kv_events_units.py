@@ -70,7 +70,7 @@ def test_bytes_hashes_and_unknown_event_types_and_map_batches() -> None:
 
 
 @pytest.mark.parametrize("payload", [b"", b"\xc1", msgpack.packb([1.0]), msgpack.packb([1.0, [[]]]),
-                                     msgpack.packb([1.0, [_stored_map(token_ids=["x"])]]),
+                                     msgpack.packb([1.0, [_stored_map(token_ids="x")]]),
                                      msgpack.packb([1.0, [_stored_map(block_size=0)]]),
                                      msgpack.packb([1.0, [{"no": "type"}]])])
 def test_malformed_batches_raise_wire_error(payload: bytes) -> None:
@@ -115,7 +115,8 @@ def test_unknown_parents_partial_blocks_and_salts() -> None:
     idx = KVEventIndex(BS)
     idx.apply("a", _batch(Stored((5,), 99, tuple(ids[4:8]), BS, "GPU", None, None),  # parent never seen
                           Stored((6,), None, (1, 2), 2, "GPU", None, None)))  # a partial block
-    assert len(idx) == 0 and idx.stats("a")["dropped"] == 1 and idx.stats("a")["skipped"] == 1
+    idx.apply("a", _batch(Stored((7,), None, ("a", "b", "c", "d"), BS, "GPU", None, None)))  # not token ids
+    assert len(idx) == 0 and idx.stats("a")["dropped"] == 1 and idx.stats("a")["skipped"] == 2
     idx.apply("a", _batch(Stored((1, 2), None, tuple(ids), BS, "GPU", "acme", None)))
     assert idx.held(block_keys(ids, BS, "acme"), ["a"]) == {"a": 2.0}
     assert idx.held(block_keys(ids, BS), ["a"]) == {"a": 0.0}  # another tenant's chain

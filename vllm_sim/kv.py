@@ -131,6 +131,10 @@ class KVPool:
         """Blocks a new request could get: never used, or cached and evictable."""
         return self.num_blocks - self._pinned
 
+    @property
+    def records_events(self) -> bool:
+        return self._events is not None
+
     def hash_prompt(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
         """The full-block hashes of a prompt, with this pool's hash function."""
         return self._hasher(token_ids, self.block_size, salt)
