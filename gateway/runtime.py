@@ -18,6 +18,7 @@ import httpx
 
 from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry
 from routing import RoutingPolicy, RoutingSettings, make_policy, resolve
+from routing.tokenization import Tokenization
 
 from . import redis_client
 from .metrics import Metrics
@@ -76,6 +77,8 @@ class Runtime:
                                 events=PoolEvents(on_eject=self._on_eject, on_failure=self._on_failure),
                                 transport=self.transport)
         self.policy: RoutingPolicy = self._make_policy(settings.routing)
+        # Exact token ids per model (in process or from a render server), else approximate keys.
+        self.tokenization = Tokenization(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
         self.redis = _redis(settings)
         secret = settings.server_secret.get_secret_value()
@@ -98,6 +101,10 @@ class Runtime:
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
         registry = self.engine.registry
+        if not self.tokenization.loaded:
+            # Before serving, so a ready gateway routes on exact ids from its first request;
+            # in a thread, so the event loop (other apps in the process, timers) keeps running.
+            await asyncio.to_thread(self.tokenization.load)
         try:
             await registry.load()
         except Exception:  # a store fault must not stop start-up: we retry in watch()
@@ -130,6 +137,7 @@ class Runtime:
             await self.cache.aclose()
         if self.routing_sync is not None:
             await self.routing_sync.aclose()
+        await self.tokenization.aclose()
         if self.redis is not None:
             await self.redis.aclose()
         await self.client.aclose()
@@ -224,6 +232,8 @@ class Runtime:
             if hasattr(self.policy, counter):
                 out[counter] = getattr(self.policy, counter)
         out.update(self.routing_counts)
+        configured = [m for r in self.settings.replicas for m in r.models]
+        out["tokenization"] = self.tokenization.stats(configured + self.pool.models(healthy_only=False))
         if self.routing_sync is not None and isinstance(out.get("shared_facts"), dict):
             out["shared_facts"]["failing"] = self.routing_sync.failing
         return out
@@ -256,6 +266,7 @@ class Runtime:
             new = load_settings(self.config_path)
         except ConfigError as e:
             raise BadRequest(str(e), code="invalid_config") from None
+        old_routing = self.settings.routing
         wanted = {r.name: r for r in new.replicas}
         for name, r in list(self.pool.replicas.items()):
             if r.source == "config" and name not in wanted:
@@ -266,6 +277,11 @@ class Runtime:
         self.settings = self.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
                                                          "timeouts": new.timeouts})
         self.policy = self._make_policy(new.routing)
+        old = self.tokenization
+        if (new.routing.tokenizers, new.routing.render_url) != (old_routing.tokenizers, old_routing.render_url):
+            # Loads the new directories before the old sources go, so no request sees neither.
+            self.tokenization = await asyncio.to_thread(Tokenization(new.routing).load)
+            await old.aclose()
         return {"reloaded": True, "replicas": sorted(self.pool.replicas)}
 
     def status(self) -> dict[str, Any]:
@@ -305,6 +321,7 @@ class Runtime:
             degraded += self.cache.readiness()
         if self.routing_sync is not None and self.routing_sync.failing:
             degraded.append("routing facts: Redis unreachable, routing on this instance's knowledge")
+        degraded += self.tokenization.degraded()
         if self.shutting_down:
             degraded.append("shutting down")
         ready = (self.started and not self.shutting_down and bool(self.pool.replicas) and not unserved
