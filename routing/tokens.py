@@ -193,13 +193,15 @@ class HFTokenSource:
         self.tokenizer("warm up", add_special_tokens=True)
         self.failures = 0
         self.offloaded = 0
+        self._truncating_tok: Any = None
 
     async def prompt_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         size = _size(endpoint, body)
         if size is None:
             return None
         try:
-            if size <= self.inline_max_chars:
+            truncating = endpoint == "completions" and body.get("truncate_prompt_tokens") is not None
+            if size <= self.inline_max_chars and not truncating:
                 return self._ids(endpoint, body)
             self.offloaded += 1
             loop = asyncio.get_running_loop()
@@ -262,10 +264,32 @@ class HFTokenSource:
             return list(prompt)
         if not isinstance(prompt, str):
             raise _Unrenderable("prompt")
-        return list(self.tokenizer(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))).input_ids)
+        special = bool(body.get("add_special_tokens", True))
+        k = body.get("truncate_prompt_tokens")
+        if _positive_int(k) and body.get("truncation_side") is None:
+            # vLLM truncates text in the tokenizer (left side), which keeps the special
+            # tokens and drops text: not the same as slicing the ids afterwards.
+            return list(self._truncating()(prompt, add_special_tokens=special, truncation=True,
+                                           max_length=k).input_ids)
+        return list(self.tokenizer(prompt, add_special_tokens=special).input_ids)
+
+    def _truncating(self) -> Any:
+        """A second instance for truncating calls, only ever used on the tokenizer thread:
+        truncation is tokenizer state, and changing it under a concurrent call on the
+        loop thread would break that call."""
+        if self._truncating_tok is None:
+            from transformers import AutoTokenizer
+
+            self._truncating_tok = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True,
+                                                                 truncation_side="left")
+        return self._truncating_tok
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _is_ids(value: Any) -> bool:

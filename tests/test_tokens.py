@@ -96,10 +96,14 @@ def test_request_fields_vllm_honours(source: HFTokenSource) -> None:
     # Unknown message fields do not reach the template, as in vLLM.
     assert ids(source, "chat", {"messages": [{"role": "user", "content": "Hello", "x-note": "ignored"}]}) == \
         ids(source, "chat", {"messages": [{"role": "user", "content": "Hello"}]})
-    # truncate_prompt_tokens keeps the tail.
+    # truncate_prompt_tokens keeps the tail of the text (and the BOS) ...
     full = ids(source, "completions", {"prompt": "a b c d e f"})
-    assert full is not None
-    assert ids(source, "completions", {"prompt": "a b c d e f", "truncate_prompt_tokens": 3}) == full[-3:]
+    assert full is not None and full[0] == 101
+    assert ids(source, "completions", {"prompt": "a b c d e f", "truncate_prompt_tokens": 3}) == [101, *full[-2:]]
+    # ... and of the ids when the side is named or the prompt is ids already.
+    assert ids(source, "completions", {"prompt": "a b c d e f", "truncate_prompt_tokens": 3,
+                                       "truncation_side": "left"}) == full[-3:]
+    assert ids(source, "completions", {"prompt": [5, 6, 7, 8], "truncate_prompt_tokens": 2}) == [7, 8]
 
 
 def test_tool_calls_render_as_objects_and_tools_enter_the_system_turn(source: HFTokenSource) -> None:
