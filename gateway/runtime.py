@@ -21,6 +21,7 @@ from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore
 from routing import RoutingPolicy, RoutingSettings, make_policy, resolve
 from routing.cost_model import CostModel
 from routing.kv_events import KVEvents
+from routing.tokenization import Tokenization
 
 from . import redis_client
 from .metrics import Metrics
@@ -53,9 +54,9 @@ def _make_kv_events(settings: Settings) -> KVEvents | None:
     kv = settings.routing.kv_events
     if not any(r.kv_events for r in settings.replicas) and not (kv.port and settings.routing.dns_name):
         return None
-    # routing.block_size when configured (issue 16's tokenizer settings), else vLLM's default.
-    block_size = getattr(settings.routing, "block_size", None) or 16
-    return KVEvents(block_size, cpu_weight=kv.cpu_weight, stale_s=kv.stale_s, max_blocks=kv.max_blocks)
+    # The replicas' --block-size: events of another size are skipped (counted), so a wrong one shows.
+    return KVEvents(settings.routing.block_size, cpu_weight=kv.cpu_weight, stale_s=kv.stale_s,
+                    max_blocks=kv.max_blocks)
 
 
 def _redis(settings: Settings) -> redis_client.Client | None:
@@ -91,6 +92,8 @@ class Runtime:
         # Precise mode's truth: the replicas' KV events (routing.kv_events), when any publish them.
         self.kv_events: KVEvents | None = _make_kv_events(settings)
         self.policy: RoutingPolicy = self._make_policy(settings.routing)
+        # Exact token ids per model (in process or from a render server), else approximate keys.
+        self.tokenization = Tokenization(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
         self.redis = _redis(settings)
         secret = settings.server_secret.get_secret_value()
@@ -113,6 +116,10 @@ class Runtime:
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
         registry = self.engine.registry
+        if not self.tokenization.loaded:
+            # Before serving, so a ready gateway routes on exact ids from its first request;
+            # in a thread, so the event loop (other apps in the process, timers) keeps running.
+            await asyncio.to_thread(self.tokenization.load)
         try:
             await registry.load()
         except Exception:  # a store fault must not stop start-up: we retry in watch()
@@ -148,6 +155,7 @@ class Runtime:
             await self.cache.aclose()
         if self.routing_sync is not None:
             await self.routing_sync.aclose()
+        await self.tokenization.aclose()
         if self.redis is not None:
             await self.redis.aclose()
         await self.client.aclose()
@@ -271,6 +279,8 @@ class Runtime:
                 for row in out["kv_events"]["replicas"].values():
                     row["mode"] = "approximate"
                 out["kv_events"]["note"] = "precise mode needs routing.policy: cost"
+        configured = [m for r in self.settings.replicas for m in r.models]
+        out["tokenization"] = self.tokenization.stats(configured + self.pool.models(healthy_only=False))
         if self.routing_sync is not None and isinstance(out.get("shared_facts"), dict):
             out["shared_facts"]["failing"] = self.routing_sync.failing
         return out
@@ -303,6 +313,7 @@ class Runtime:
             new = load_settings(self.config_path)
         except ConfigError as e:
             raise BadRequest(str(e), code="invalid_config") from None
+        old_routing = self.settings.routing
         wanted = {r.name: r for r in new.replicas}
         for name, r in list(self.pool.replicas.items()):
             if r.source == "config" and name not in wanted:
@@ -313,6 +324,11 @@ class Runtime:
         self.settings = self.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
                                                          "timeouts": new.timeouts})
         self.policy = self._make_policy(new.routing)
+        old = self.tokenization
+        if (new.routing.tokenizers, new.routing.render_url) != (old_routing.tokenizers, old_routing.render_url):
+            # Loads the new directories before the old sources go, so no request sees neither.
+            self.tokenization = await asyncio.to_thread(Tokenization(new.routing).load)
+            await old.aclose()
         self.sync_kv_events()
         return {"reloaded": True, "replicas": sorted(self.pool.replicas)}
 
@@ -355,6 +371,7 @@ class Runtime:
             degraded.append("routing facts: Redis unreachable, routing on this instance's knowledge")
         if self.kv_events is not None:
             degraded += self.kv_events.degraded()
+        degraded += self.tokenization.degraded()
         if self.shutting_down:
             degraded.append("shutting down")
         ready = (self.started and not self.shutting_down and bool(self.pool.replicas) and not unserved

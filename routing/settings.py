@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Section(BaseModel):
@@ -86,8 +88,28 @@ class RoutingSettings(_Section):
     # choice goes first only if it is deeper by at least this many characters
     # (and by half again): small gains do not justify diverging from other instances.
     index_min_gain_chars: int = Field(2048, ge=0)
+    # Exact token ids per served model (routing.tokens), so routing can key on what vLLM
+    # will prefill: a Hugging Face tokenizer directory (the files the replicas load,
+    # chat template included) per model name, tokenized in process ...
+    tokenizers: dict[str, str] = Field(default_factory=dict)
+    # ... or a vLLM render server (`vllm launch render MODEL_DIR`) asked for the ids of
+    # every model without a directory above. Neither: approximate keys (block_chars).
+    render_url: str | None = None
+    render_timeout_s: float = Field(0.5, gt=0)
+    # Tokens per KV block on the replicas (vLLM's --block-size; 16 is its default).
+    block_size: int = Field(16, ge=1, le=1024)
     # Re-resolve replicas from a headless-service DNS name, e.g. "vllm.ns.svc.cluster.local:8000".
     dns_name: str | None = None
     dns_interval_s: float = Field(10.0, gt=0)
     # Precise mode's event streams (routing.kv_events; used by policy "cost").
     kv_events: KVEventSettings = Field(default_factory=KVEventSettings)
+
+    @field_validator("render_url")
+    @classmethod
+    def _render_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL with a host, e.g. http://127.0.0.1:8100")
+        return v.rstrip("/")
