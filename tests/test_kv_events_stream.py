@@ -8,58 +8,18 @@ token-id prompts, so the test knows the exact tokens the replica cached.
 
 from __future__ import annotations
 
-import random
 from typing import Any, AsyncIterator, Callable
 
 import anyio
-import httpx
 import pytest
 
 from routing.kv_events import KVEvents
 from routing.token_keys import block_keys
-from tests.support.servers import ServerThread, free_port
-from tests.support.stack import MODEL, sim_config
-from vllm_sim.server import build_app as build_sim
+from tests.support.kv_sims import EventSim as Replica
+from tests.support.kv_sims import token_prompt
 
 BS = 16
 pytestmark = pytest.mark.anyio
-
-
-class Replica:
-    """A simulated replica publishing KV events on fixed ports, so that it can be restarted on them."""
-
-    def __init__(self, name: str, **kw: Any) -> None:
-        self.name, self.kw = name, kw
-        self.pub, self.replay = free_port(), free_port()
-        self.server: ServerThread | None = None
-
-    @property
-    def endpoints(self) -> tuple[str, str]:
-        return f"tcp://127.0.0.1:{self.pub}", f"tcp://127.0.0.1:{self.replay}"
-
-    def start(self) -> "Replica":
-        cfg = sim_config(self.name, kv_events=f"tcp://127.0.0.1:{self.pub}",
-                         kv_events_replay=f"tcp://127.0.0.1:{self.replay}", **self.kw)
-        self.server = ServerThread(build_sim(cfg)).start()
-        return self
-
-    def stop(self) -> None:
-        assert self.server is not None
-        self.server.stop()
-
-    async def complete(self, ids: list[int], salt: str | None = None) -> None:
-        assert self.server is not None
-        body: dict[str, Any] = {"model": MODEL, "prompt": ids, "max_tokens": 1}
-        if salt:
-            body["cache_salt"] = salt
-        async with httpx.AsyncClient() as c:
-            r = await c.post(self.server.url + "/v1/completions", json=body, timeout=10)
-            r.raise_for_status()
-
-    async def faults(self, **faults: Any) -> None:
-        assert self.server is not None
-        async with httpx.AsyncClient() as c:
-            (await c.post(self.server.url + "/sim/faults", json=faults, timeout=5)).raise_for_status()
 
 
 @pytest.fixture
@@ -78,8 +38,7 @@ async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def prompt(seed: int, blocks: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 30_000) for _ in range(blocks * BS + 3)]  # and a partial block
+    return token_prompt(seed, blocks, BS)  # and a partial block
 
 
 def held(kv: KVEvents, ids: list[int], name: str, salt: str | None = None) -> float:
