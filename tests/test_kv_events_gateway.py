@@ -114,7 +114,7 @@ def test_two_instances_that_share_nothing_agree_on_every_decision(fleet: list[Ev
     a, b = Gateway(fleet, tokenizer_dir), Gateway(fleet, tokenizer_dir)
     try:
         wait(lambda: all_precise(a) and all_precise(b))
-        stems = [token_prompt(100 + f, 6) [: 6 * BS] for f in range(4)]
+        stems = [token_prompt(100 + f, 6)[: 6 * BS] for f in range(4)]
         sequence = [stems[i % 4] + token_prompt(i, 1 + i % 3) for i in range(16)]
         sequence += [sequence[i] + token_prompt(50 + i, 2) for i in range(4)]  # next turns of early requests
         placed: dict[int, str] = {}
@@ -124,7 +124,7 @@ def test_two_instances_that_share_nothing_agree_on_every_decision(fleet: list[Ev
             via = a if i % 2 == 0 else b
             assert via.send(ids) == expected
             blocks = len(ids) // BS
-            wait(lambda: a.held(ids, expected) == blocks and b.held(ids, expected) == blocks)
+            wait(lambda ids=ids, at=expected, n=blocks: a.held(ids, at) == n and b.held(ids, at) == n)
             placed[i] = expected
             time.sleep(0.05)  # each instance's own prefill backlog drains (routing.backlog)
         for i in range(4):
