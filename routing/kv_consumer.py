@@ -41,6 +41,8 @@ log = logging.getLogger("kvgate.kv_events")
 # Replayed batches applied between yields to the event loop: a 10,000-batch replay
 # must not hold requests up for its whole length.
 _REPLAY_SLICE = 64
+# Live messages handled per wake-up before the poller (and the monitor) get a turn again.
+_BURST = 256
 
 
 class EventStream:
@@ -113,15 +115,23 @@ class EventStream:
                 if monitor in ready:
                     await self._on_monitor(await monitor.recv_multipart())
                 if sub in ready:
-                    frames = await sub.recv_multipart()
-                    if len(frames) == 3:
-                        await self._on_message(frames[1], frames[2])
-                    else:
-                        self.decode_errors += 1
+                    await self._drain(sub)
         finally:
             sub.disable_monitor()
             monitor.close(0)
             sub.close(0)
+
+    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+        """Every message already queued, up to a burst: one poll per burst, not per message."""
+        for _ in range(_BURST):
+            try:
+                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 3:
+                await self._on_message(frames[1], frames[2])
+            else:
+                self.decode_errors += 1
 
     async def _on_monitor(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]
