@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-caching-hash-algo", dest="kv_hash", choices=("sim", "sha256_cbor"),
                         default=d.kv_hash, help="block hash; sha256_cbor reproduces vLLM's (seed: PYTHONHASHSEED)")
     parser.add_argument("--hash-seed", default=None, help="NONE_HASH seed in place of PYTHONHASHSEED")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="tokenize with this Hugging Face tokenizer directory and chat template, as vLLM does")
     events = parser.add_argument_group("KV events (vLLM's --kv-events-config, as flags)")
     events.add_argument("--kv-events", default=None, metavar="ENDPOINT", help='PUB endpoint, e.g. "tcp://*:5557"')
     events.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help='replay ROUTER, e.g. "tcp://*:5558"')
@@ -86,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_hash=args.kv_hash, hash_seed=args.hash_seed, kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
         kv_events_buffer=args.kv_events_buffer, kv_events_int_hashes=not args.kv_events_bytes_hashes,
-        kv_events_legacy=args.kv_events_legacy,
+        kv_events_legacy=args.kv_events_legacy, tokenizer=args.tokenizer,
     )
 
 

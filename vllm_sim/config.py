@@ -43,6 +43,9 @@ class SimConfig:
     kv_events_int_hashes: bool = True
     # Events as arrays (vLLM before PR #42892) instead of tagged maps.
     kv_events_legacy: bool = False
+    # Tokenize with a Hugging Face tokenizer directory and its chat template, as vLLM
+    # does (vllm_sim.tokenizer_dir builds one), instead of the simulator's own tokenizer.
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.block_size < 1:

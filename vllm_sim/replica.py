@@ -34,6 +34,13 @@ class Replica:
                 int_hashes=config.kv_events_int_hashes, legacy=config.kv_events_legacy,
                 drop=lambda: self.faults.kv_events_drop)
             self.engine.on_kv_events = self.publisher.publish
+        # The prompt ids vLLM would prefill (routing.tokens.HFTokenSource, held to vLLM's own
+        # render server by the parity tests); None: the simulator's own tokenizer.
+        self.tokens: Any = None
+        if config.tokenizer:
+            from routing.tokens import HFTokenSource
+
+            self.tokens = HFTokenSource(config.tokenizer)
         # A copy: run-time changes (POST /sim/faults) must not write back into the caller's config.
         self.faults: Faults = replace(config.faults)
         self.rng = random.Random(config.seed)
