@@ -119,7 +119,8 @@ def test_demo_moves_off_taken_ports_and_says_so(tmp_path: Path, demo_proc: list[
             s.close()
 
 
-def test_demo_precise_routes_on_the_replicas_kv_events(tmp_path: Path, demo_proc: list[subprocess.Popen[bytes]]) -> None:
+def test_demo_precise_routes_on_the_replicas_kv_events(tmp_path: Path,
+                                                        demo_proc: list[subprocess.Popen[bytes]]) -> None:
     proc, banner = _start_demo(tmp_path, "--port", str(free_port()), "--admin-port", str(free_port()),
                                "--precise", timeout=180)  # three tokenizers load first (transformers)
     demo_proc.append(proc)
