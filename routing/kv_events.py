@@ -170,4 +170,9 @@ class KVEvents:
         for name, stream in sorted(self.streams.items()):
             if not stream.live:
                 out.append(f"kv events {name}: {stream.state}, routed on the approximate index")
+            idx = self.index.stats(name)
+            if idx.get("skipped", 0) > idx.get("stored", 0):
+                # Mostly blocks of another size: the replica's --block-size is not routing.block_size.
+                out.append(f"kv events {name}: {idx['skipped']} blocks skipped (block size is not "
+                           f"{self.block_size}?), the replica looks cold to precise routing")
         return out

@@ -125,3 +125,16 @@ async def test_a_replica_leaving_membership_is_forgotten(fleet: KVEvents) -> Non
     finally:
         a.stop()
         b.stop()
+
+
+async def test_a_replica_with_another_block_size_is_reported(fleet: KVEvents) -> None:
+    r = Replica("r1", block_size=32).start()  # kvgate expects 16
+    try:
+        fleet.sync({"r1": r.endpoints})
+        await until(lambda: fleet.live("r1"))
+        await r.complete(prompt(8, 4))
+        await until(lambda: fleet.index.stats("r1").get("skipped", 0) > 0)
+        assert fleet.index.size("r1") == 0
+        assert any("blocks skipped (block size is not 16?)" in d for d in fleet.degraded())
+    finally:
+        r.stop()
