@@ -103,6 +103,9 @@ class EventStream:
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        # As deep as vLLM's PUB side (100,000): a burst waits here rather than being dropped;
+        # past it, what is lost is a gap, and replay fills it.
+        sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)

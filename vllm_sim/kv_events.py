@@ -46,6 +46,8 @@ __all__ = ["KVEventPublisher", "encode_batch"]
 log = logging.getLogger("vllm_sim.kv_events")
 
 _END = (-1).to_bytes(8, "big", signed=True)
+# vLLM's publisher queues this many messages per subscriber before PUB drops them.
+_HWM = 100_000
 MEDIUM_GPU = "GPU"
 
 
@@ -98,6 +100,7 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, _HWM)
         self._pub.bind(endpoint)
         self._replay: zmq.Socket[bytes] | None = None
         if replay_endpoint:
