@@ -221,12 +221,18 @@ class CostModel:
         spans = info.rendered.spans
         context = max(route.cut, spans[-1].start if len(spans) > 1 else 0)
         presumed = 0.0 if holders else context * _others_share(order)
+        fleet_holds = any(precise.values())
         ahead, uncached = [], []
         for i, r in enumerate(order):
             ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical)
             if r.name in precise and tokens:
-                # The truth: what the replica's own events say it holds of this prompt.
-                uncached.append(max(0.0, len(tokens) - precise[r.name] * block))
+                # The truth: what the replica's own events say it holds of this prompt. A
+                # prefix no replica holds yet is presumed at its home as in approximate mode
+                # (module doc), so instances that place it before any event agree on where.
+                held_tokens = precise[r.name] * block
+                if i == 0 and not fleet_holds:
+                    held_tokens = max(held_tokens, presumed * scale)
+                uncached.append(max(0.0, len(tokens) - held_tokens))
                 continue
             bit = self.bits.get(r.name)
             held = float(self.index.depth_of(info.hashes, bit) * info.block) if bit is not None and info.hashes else 0.0
