@@ -27,6 +27,7 @@ from . import redis_client
 from .metrics import Metrics
 from .routing_sync import RoutingSync
 from .pool import PoolEvents, Replica, ReplicaPool, snapshot
+from .response_ids import ResponseIds, derive_id_key
 from .settings import Settings, load_settings
 from .stats import TenantStats
 from .tracing import Tracing
@@ -97,6 +98,8 @@ class Runtime:
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
         self.redis = _redis(settings)
         secret = settings.server_secret.get_secret_value()
+        id_secret = settings.response_id_secret.get_secret_value() if settings.response_id_secret else secret
+        self.response_ids = ResponseIds(derive_id_key(id_secret))
         store = RedisTenantStore(self.redis, timeout_s=settings.redis_timeout_s) if self.redis else None
         self.hygiene = HygieneTracker()
         self.engine = PolicyEngine(

@@ -149,6 +149,9 @@ class Settings(_Section):
     pool: PoolSettings = Field(default_factory=PoolSettings)
     # Keys HMACs (cache_salt) and key hashes; set it in production so salts survive restarts.
     server_secret: SecretStr = SecretStr("kvgate-dev-secret-change-me")
+    # Keys the replica tag in the Responses ids kvgate returns (gateway/response_ids.py). Unset:
+    # derived from server_secret. Every instance of a fleet needs the same value.
+    response_id_secret: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Prompt text in logs only when this is explicitly on.
     log_prompts: bool = False
