@@ -182,6 +182,9 @@ def test_a_cut_stream_degrades_to_approximate_and_replay_recovers(fleet: list[Ev
         ready = g.readyz()
         assert ready.status_code == 200  # degraded, not unready
         assert any(f"kv events {victim.name}: stale" in d for d in ready.json()["degraded"])
+        metrics = httpx.get(g.server.url + "/metrics", timeout=5).text
+        assert f'kvgate_kv_events_precise{{replica="{victim.name}"}} 0.0' in metrics
+        assert f'kvgate_kv_events_precise{{replica="{fleet[1].name}"}} 1.0' in metrics
         for i in range(6):
             g.send(token_prompt(4000 + i, 2))  # served throughout, on the approximate index for the victim
         anyio.run(lambda: victim.faults())
