@@ -122,6 +122,9 @@ class ProxyEndpoint:
         body = self._upstream_body(ctx)
         route = RouteRequest(ctx.endpoint, ctx.model, ctx.tenant.namespace, ctx.body,
                              boundary_hint=ctx.headers.get("x-kvgate-cache-boundary"))
+        if rt.tokenization.enabled:
+            # Once per request, from the body the replica will see (None: route approximately).
+            route.token_ids = await rt.tokenization.token_ids(ctx.model, ctx.endpoint, body)
         timeouts = rt.settings.timeouts
         call = UpstreamCall(
             path=self.path, payload=orjson.dumps(body),

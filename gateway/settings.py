@@ -51,6 +51,21 @@ class ReplicaSettings(_Section):
     weight: float = Field(1.0, gt=0)
     # Sent as a bearer token to a replica started with --api-key; never logged.
     api_key: SecretStr | None = None
+    # The replica's KV events (vLLM --kv-events-config endpoint and replay_endpoint, as
+    # seen from kvgate): with them and token ids for the request, the cost model routes
+    # on what the replica really holds (routing.kv_events).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("tcp", "ipc") or (parts.scheme == "tcp" and not (parts.hostname and parts.port)):
+            raise ValueError("must be a ZMQ endpoint to connect to, e.g. tcp://10.0.0.11:5557")
+        return v
 
     @field_validator("url")
     @classmethod

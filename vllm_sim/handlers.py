@@ -116,8 +116,12 @@ class GenerationEndpoint:
     def _error_body(self, exc: wire.ApiError) -> dict[str, Any]:
         return exc.body()
 
-    def _params(self, raw: bytes) -> GenerationParams:
-        return parse_generation(self.kind, parse_json(raw), self.replica.config)
+    def _params(self, body: dict[str, Any]) -> GenerationParams:
+        return parse_generation(self.kind, body, self.replica.config)
+
+    async def _prompt_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """vLLM's exact prompt ids from the replica's real tokenizer, when it has one."""
+        return await self.replica.tokens.prompt_ids(self.kind, body)
 
     def _format(self, params: GenerationParams, request: GenRequest) -> _Format:
         return _Format(params, request.request_id)
@@ -125,8 +129,13 @@ class GenerationEndpoint:
     async def _prepare(self, raw: bytes, faults: Faults) -> tuple[GenRequest, _Format, bool]:
         """Validate and tokenize; raises ``ApiError`` with vLLM's status and wording."""
         config, engine = self.replica.config, self.replica.engine
-        params = self._params(raw)
+        body = parse_json(raw)
+        params = self._params(body)
         tokens = await prompt_tokens(params)
+        if self.replica.tokens is not None:
+            ids = await self._prompt_ids(body)
+            if ids:
+                tokens = ids
         max_tokens = resolve_max_tokens(params, len(tokens), config)
         try:
             engine.check_prompt(len(tokens))

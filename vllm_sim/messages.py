@@ -241,8 +241,11 @@ class MessagesEndpoint(GenerationEndpoint):
     def _error_body(self, exc: wire.ApiError) -> dict[str, Any]:
         return exc.body() if isinstance(exc, _Invalid) else anthropic_error(exc.status, exc.message)
 
-    def _params(self, raw: bytes) -> GenerationParams:
-        return _params(parse_json(raw), self.replica)
+    def _params(self, body: dict[str, Any]) -> GenerationParams:
+        return _params(body, self.replica)
+
+    async def _prompt_ids(self, body: dict[str, Any]) -> list[int] | None:
+        return None  # the real-tokenizer source renders chat bodies only: the simulator's own ids here
 
     def _format(self, params: GenerationParams, request: GenRequest) -> _Format:
         return _MessagesFormat(params, request.request_id, len(request.prompt_tokens), self.replica.config.block_size)

@@ -149,6 +149,7 @@ def build_app(config: SimConfig | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await replica.engine.aclose()
+        replica.close()
 
     app = Starlette(
         routes=_routes(replica),
