@@ -11,36 +11,18 @@ where that venv is missing.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 
 from gateway.errors import BadRequest, NoReplica
 from gateway.messages_api import ANTHROPIC_SHAPE
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL, sim_config
+from tests.support.vllm_env import need_vllm, vllm_env
 from vllm_sim.server import build_app as build_sim
-
-# The same rule as tests/support/vllm_env.py (branch tokens): $KVGATE_VLLM_PYTHON, else /work/vllm-venv.
-_VENV_PYTHON = Path("/work/vllm-venv/bin/python")
-
-
-@lru_cache(maxsize=1)
-def _vllm_python() -> str | None:
-    for python in (os.environ.get("KVGATE_VLLM_PYTHON"), str(_VENV_PYTHON)):
-        if python and Path(python).exists():
-            probe = subprocess.run([python, "-c", "import vllm"],
-                                   capture_output=True, timeout=180, check=False)
-            if probe.returncode == 0:
-                return python
-    return None
-
 
 _CHECK = r"""
 import json, sys
@@ -93,10 +75,7 @@ def _events(raw: str) -> list[dict[str, Any]]:
 
 
 def test_simulator_shapes_are_vllms() -> None:
-    python = _vllm_python()
-    if python is None:
-        pytest.skip("vLLM is not installed: set KVGATE_VLLM_PYTHON to a Python that can import vllm==0.33.0 "
-                    "(CI builds /work/vllm-venv)")
+    python = need_vllm()
     sim = ServerThread(build_sim(sim_config("r1"))).start()
     try:
         with httpx.Client(base_url=sim.url, timeout=10) as http:
@@ -115,7 +94,7 @@ def test_simulator_shapes_are_vllms() -> None:
                 "statuses": [(s, ANTHROPIC_SHAPE.body(_status(s))["error"]["type"])
                              for s in (400, 401, 403, 404, 413, 422, 429, 500, 502, 503, 504)]}
         run = subprocess.run([python, "-c", _CHECK], input=json.dumps(data), capture_output=True, text=True,
-                             timeout=300, check=False, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+                             timeout=300, check=False, env=vllm_env())
         assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
     finally:
         sim.stop()
