@@ -67,17 +67,15 @@ class PendingVector:
 def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClient | None,
                   loader: Callable[[], Any] | None = None) -> Embedder:
     """``loader`` replaces the packaged model's loader (the seam for a slow or failing load)."""
-    wait_s = settings.batch_wait_ms / 1000
     if settings.embedder == "hash":
         return HashEmbedder()
     if settings.embedder == "remote":
         if not settings.embedding_url or http_client is None:
             raise ValueError("semantic_cache.embedder=remote needs embedding_url and an HTTP client")
         return RemoteEmbedder(http_client, settings.embedding_url, settings.embedding_model,
-                              batch_max=settings.batch_max, batch_wait_s=wait_s,
-                              timeout_s=settings.embed_timeout_s)
+                              batch_max=settings.batch_max, timeout_s=settings.embed_timeout_s)
     extra = {"loader": loader} if loader is not None else {}
-    return LocalEmbedder(batch_max=settings.batch_max, batch_wait_s=wait_s, name=settings.embedding_model,
+    return LocalEmbedder(batch_max=settings.batch_max, name=settings.embedding_model,
                          threads=settings.embed_threads, fast=settings.embed_fast, **extra)
 
 

@@ -14,6 +14,15 @@ tag, ``{kvgate:sc:}``: every key above shares one slot, so the scripts in
 ``put`` and ``set_vector`` stay atomic. The cache then lives on one shard (it does
 not spread over the cluster); the stream is one key anyway.
 
+Writes (``put``, ``set_vector``) are batched (``batching.Batcher``): a lone write
+goes at once; writes that arrive while a batch is on the wire go together in the
+next one, one pipelined round trip carrying all their scripts. Eight answers
+completing at once then cost one round trip, not eight queued ones. A batch
+carries at most ``max_connections`` writes: never more than could have been in
+flight unbatched, so it holds the single-threaded server no longer than they
+would have. A batch that fails fails each of its writes (``StoreUnavailable``,
+counted once per write by the breaker); one script's error fails its write only.
+
 Faults. Every call is bounded by the client's socket timeouts (connect and
 read = ``redis_timeout_s``) with no client retries, so a hung Redis costs at
 most one timeout; at most ``max_connections`` calls are in flight, the rest
@@ -38,11 +47,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .batching import Batcher
 from .models import Entry
 from .store import PurgeFilter, StoreUnavailable, decode_entry, encode_entry
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError, TimeoutError)
 _CHUNK = 256
+
+# One write for the batched pipeline: (script, keys, args).
+_Eval = tuple[str, list[str], list[Any]]
 
 # Store one entry and keep its namespace within ``cap``, in one atomic step (one round trip,
 # and one command for the client to encode instead of a seven-command MULTI: the write a
@@ -101,8 +114,9 @@ class CircuitBreaker:
     def is_open(self) -> bool:
         return self.open_since is not None
 
-    def failure(self, error: str, *, fatal: bool = False) -> None:
-        self.failures += 1
+    def failure(self, error: str, *, fatal: bool = False, calls: int = 1) -> None:
+        """``calls`` failed together (a batch of writes counts as its writes)."""
+        self.failures += calls
         self.last_error = error
         if (fatal or self.failures >= self.threshold) and self.open_since is None:
             self.open_since = time.monotonic()
@@ -161,6 +175,7 @@ class RedisStore:
         if isinstance(self._r, aioredis.RedisCluster) and "{" not in prefix:
             self._p = "{" + prefix + "}"  # one hash slot for every key (see the module docstring)
         self.breaker = CircuitBreaker(breaker_failures)
+        self._writes: Batcher[_Eval, Any] = Batcher(self._write_batch, max_connections, name="kvgate-sc-writes")
         self._probe: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -171,14 +186,15 @@ class RedisStore:
     def _k(self, kind: str, name: str = "") -> str:
         return f"{self._p}{kind}{name}"
 
-    async def _call(self, fn: Callable[[aioredis.Redis], Any], client: Any = None) -> Any:
+    async def _call(self, fn: Callable[[aioredis.Redis], Any], client: Any = None, calls: int = 1) -> Any:
         """Run one Redis interaction under the breaker; any fault becomes StoreUnavailable.
+        ``calls``: how many callers' operations it carries (a batch of writes).
 
         Typed ``Any``: redis-py annotates replies as unions of every RESP type."""
         if self.breaker.is_open:
             raise StoreUnavailable("redis circuit breaker open")
         if client is not None:
-            return await self._guarded(fn, client)
+            return await self._guarded(fn, client, calls)
         # Bound the connections in use: a burst of requests queues here (briefly) instead of
         # opening hundreds of sockets whose handshakes time out and look like an outage.
         try:
@@ -187,15 +203,15 @@ class RedisStore:
         except TimeoutError:
             raise StoreUnavailable("redis client busy") from None
         try:
-            return await self._guarded(fn, self._r)
+            return await self._guarded(fn, self._r, calls)
         finally:
             self._slots.release()
 
-    async def _guarded(self, fn: Callable[[aioredis.Redis], Any], client: aioredis.Redis) -> Any:
+    async def _guarded(self, fn: Callable[[aioredis.Redis], Any], client: aioredis.Redis, calls: int = 1) -> Any:
         try:
             result = await fn(client)
         except _UNAVAILABLE as exc:
-            self.breaker.failure(_describe(exc), fatal=_refused(exc))
+            self.breaker.failure(_describe(exc), fatal=_refused(exc), calls=calls)
             if self.breaker.is_open:
                 self._ensure_probe()
             raise StoreUnavailable(repr(exc)) from exc
@@ -256,17 +272,29 @@ class RedisStore:
         keys = [self._k("e:", entry.id), self._k("ns:", entry.namespace), self._k("namespaces"), self._k("log")]
         args = [int(entry.expires_at) + 1, repr(time.time()), entry.id, entry.namespace, self._me, self._maxlen,
                 cap, self._k("e:"), *flat]
-        victims = await self._call(lambda r: r.eval(_PUT, len(keys), *keys, *args))
+        victims = await self._writes.submit((_PUT, keys, args))
         return [v.decode() if isinstance(v, bytes) else str(v) for v in victims]
 
     async def set_vector(self, entry: Entry) -> bool:
         if entry.vector is None:
             return False
         vec = np.ascontiguousarray(entry.vector, dtype=np.float32).tobytes()
-        done = await self._call(lambda r: r.eval(
-            _SET_VECTOR, 2, self._k("e:", entry.id), self._k("log"), repr(entry.created), self._embedder,
-            vec, entry.id, self._me, self._maxlen))
+        done = await self._writes.submit((_SET_VECTOR, [self._k("e:", entry.id), self._k("log")],
+                                          [repr(entry.created), self._embedder, vec, entry.id, self._me,
+                                           self._maxlen]))
         return bool(done)
+
+    async def _write_batch(self, batch: list[_Eval]) -> list[Any]:
+        """Every write of a batch in one pipelined round trip (no MULTI: each script is
+        atomic by itself, and one failing must not undo the others)."""
+        async def op(r: aioredis.Redis) -> Any:
+            pipe = r.pipeline(transaction=False)
+            for script, keys, args in batch:
+                pipe.eval(script, len(keys), *keys, *args)
+            return await pipe.execute(raise_on_error=False)
+
+        replies = await self._call(op, calls=len(batch))
+        return [StoreUnavailable(repr(x)) if isinstance(x, Exception) else x for x in replies]
 
     async def _delete(self, ids: list[str]) -> None:
         for i in range(0, len(ids), _CHUNK):
@@ -387,6 +415,7 @@ class RedisStore:
 
     async def aclose(self) -> None:
         self._closed = True
+        await self._writes.aclose()
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.wait({self._probe}, timeout=2.0)
