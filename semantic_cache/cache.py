@@ -486,6 +486,8 @@ class SemanticCache:
         if isinstance(self._store, RedisStore):
             out["breaker_trips"] = self._store.breaker.trips
             out["redis_last_error"] = self._store.breaker.last_error or None
+            # Writes per pipelined round trip (batching.Batcher): 1.0 when idle, more under load.
+            out["redis_write_batches"], out["redis_writes"] = self._store.writes.batches, self._store.writes.items
         if self._sync is not None:
             out["sync"] = {"resyncs": self._sync.resyncs, "events": self._sync.events_applied,
                            "last_sync": self._sync.last_sync}

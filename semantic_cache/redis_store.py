@@ -21,7 +21,9 @@ completing at once then cost one round trip, not eight queued ones. A batch
 carries at most ``max_connections`` writes: never more than could have been in
 flight unbatched, so it holds the single-threaded server no longer than they
 would have. A batch that fails fails each of its writes (``StoreUnavailable``,
-counted once per write by the breaker); one script's error fails its write only.
+one round trip, so one failure to the breaker, however many writes it carried: a slow
+batch on a busy machine is one piece of evidence, not thirty); one script's error fails
+its write only.
 
 Faults. Every call is bounded by the client's socket timeouts (connect and
 read = ``redis_timeout_s``) with no client retries, so a hung Redis costs at
@@ -114,9 +116,8 @@ class CircuitBreaker:
     def is_open(self) -> bool:
         return self.open_since is not None
 
-    def failure(self, error: str, *, fatal: bool = False, calls: int = 1) -> None:
-        """``calls`` failed together (a batch of writes counts as its writes)."""
-        self.failures += calls
+    def failure(self, error: str, *, fatal: bool = False) -> None:
+        self.failures += 1
         self.last_error = error
         if (fatal or self.failures >= self.threshold) and self.open_since is None:
             self.open_since = time.monotonic()
@@ -183,18 +184,21 @@ class RedisStore:
     def healthy(self) -> bool:
         return not self.breaker.is_open
 
+    @property
+    def writes(self) -> Batcher[_Eval, Any]:
+        return self._writes
+
     def _k(self, kind: str, name: str = "") -> str:
         return f"{self._p}{kind}{name}"
 
-    async def _call(self, fn: Callable[[aioredis.Redis], Any], client: Any = None, calls: int = 1) -> Any:
+    async def _call(self, fn: Callable[[aioredis.Redis], Any], client: Any = None) -> Any:
         """Run one Redis interaction under the breaker; any fault becomes StoreUnavailable.
-        ``calls``: how many callers' operations it carries (a batch of writes).
 
         Typed ``Any``: redis-py annotates replies as unions of every RESP type."""
         if self.breaker.is_open:
             raise StoreUnavailable("redis circuit breaker open")
         if client is not None:
-            return await self._guarded(fn, client, calls)
+            return await self._guarded(fn, client)
         # Bound the connections in use: a burst of requests queues here (briefly) instead of
         # opening hundreds of sockets whose handshakes time out and look like an outage.
         try:
@@ -203,15 +207,15 @@ class RedisStore:
         except TimeoutError:
             raise StoreUnavailable("redis client busy") from None
         try:
-            return await self._guarded(fn, self._r, calls)
+            return await self._guarded(fn, self._r)
         finally:
             self._slots.release()
 
-    async def _guarded(self, fn: Callable[[aioredis.Redis], Any], client: aioredis.Redis, calls: int = 1) -> Any:
+    async def _guarded(self, fn: Callable[[aioredis.Redis], Any], client: aioredis.Redis) -> Any:
         try:
             result = await fn(client)
         except _UNAVAILABLE as exc:
-            self.breaker.failure(_describe(exc), fatal=_refused(exc), calls=calls)
+            self.breaker.failure(_describe(exc), fatal=_refused(exc))
             if self.breaker.is_open:
                 self._ensure_probe()
             raise StoreUnavailable(repr(exc)) from exc
@@ -293,7 +297,7 @@ class RedisStore:
                 pipe.eval(script, len(keys), *keys, *args)
             return await pipe.execute(raise_on_error=False)
 
-        replies = await self._call(op, calls=len(batch))
+        replies = await self._call(op)
         return [StoreUnavailable(repr(x)) if isinstance(x, Exception) else x for x in replies]
 
     async def _delete(self, ids: list[str]) -> None:
