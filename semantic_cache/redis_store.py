@@ -46,7 +46,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .batching import Batcher
@@ -292,6 +292,12 @@ class RedisStore:
         """Every write of a batch in one pipelined round trip (no MULTI: each script is
         atomic by itself, and one failing must not undo the others)."""
         async def op(r: aioredis.Redis) -> Any:
+            if len(batch) == 1:  # a lone write pays for no pipeline
+                script, keys, args = batch[0]
+                try:
+                    return [await r.eval(script, len(keys), *keys, *args)]
+                except ResponseError as exc:  # its script failed: its own error, as in a batch
+                    return [exc]
             pipe = r.pipeline(transaction=False)
             for script, keys, args in batch:
                 pipe.eval(script, len(keys), *keys, *args)
