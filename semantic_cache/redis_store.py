@@ -20,10 +20,11 @@ next one, one pipelined round trip carrying all their scripts. Eight answers
 completing at once then cost one round trip, not eight queued ones. A batch
 carries at most ``max_connections`` writes: never more than could have been in
 flight unbatched, so it holds the single-threaded server no longer than they
-would have. A batch that fails fails each of its writes (``StoreUnavailable``,
-one round trip, so one failure to the breaker, however many writes it carried: a slow
-batch on a busy machine is one piece of evidence, not thirty); one script's error fails
-its write only.
+would have. A batch that fails fails each of its writes with ``StoreUnavailable``
+(the cache counts each as a failed store; nothing is served from it). To the
+breaker it is one failed round trip however many writes it carried: one slow reply
+on a busy machine is one piece of evidence, not thirty. One script's error fails
+its own write only.
 
 Faults. Every call is bounded by the client's socket timeouts (connect and
 read = ``redis_timeout_s``) with no client retries, so a hung Redis costs at
