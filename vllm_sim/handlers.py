@@ -108,8 +108,13 @@ class GenerationEndpoint:
     async def _prepare(self, raw: bytes, faults: Faults) -> tuple[GenRequest, _Format, bool]:
         """Validate and tokenize; raises ``ApiError`` with vLLM's status and wording."""
         config, engine = self.replica.config, self.replica.engine
-        params = parse_generation(self.kind, parse_json(raw), config)
+        body = parse_json(raw)
+        params = parse_generation(self.kind, body, config)
         tokens = await prompt_tokens(params)
+        if self.replica.tokens is not None:
+            ids = await self.replica.tokens.prompt_ids(self.kind, body)
+            if ids:
+                tokens = ids
         max_tokens = resolve_max_tokens(params, len(tokens), config)
         try:
             engine.check_prompt(len(tokens))
