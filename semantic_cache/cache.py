@@ -67,17 +67,15 @@ class PendingVector:
 def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClient | None,
                   loader: Callable[[], Any] | None = None) -> Embedder:
     """``loader`` replaces the packaged model's loader (the seam for a slow or failing load)."""
-    wait_s = settings.batch_wait_ms / 1000
     if settings.embedder == "hash":
         return HashEmbedder()
     if settings.embedder == "remote":
         if not settings.embedding_url or http_client is None:
             raise ValueError("semantic_cache.embedder=remote needs embedding_url and an HTTP client")
         return RemoteEmbedder(http_client, settings.embedding_url, settings.embedding_model,
-                              batch_max=settings.batch_max, batch_wait_s=wait_s,
-                              timeout_s=settings.embed_timeout_s)
+                              batch_max=settings.batch_max, timeout_s=settings.embed_timeout_s)
     extra = {"loader": loader} if loader is not None else {}
-    return LocalEmbedder(batch_max=settings.batch_max, batch_wait_s=wait_s, name=settings.embedding_model,
+    return LocalEmbedder(batch_max=settings.batch_max, name=settings.embedding_model,
                          threads=settings.embed_threads, fast=settings.embed_fast, **extra)
 
 
@@ -488,6 +486,8 @@ class SemanticCache:
         if isinstance(self._store, RedisStore):
             out["breaker_trips"] = self._store.breaker.trips
             out["redis_last_error"] = self._store.breaker.last_error or None
+            # Writes per pipelined round trip (batching.Batcher): 1.0 when idle, more under load.
+            out["redis_write_batches"], out["redis_writes"] = self._store.writes.batches, self._store.writes.items
         if self._sync is not None:
             out["sync"] = {"resyncs": self._sync.resyncs, "events": self._sync.events_applied,
                            "last_sync": self._sync.last_sync}

@@ -8,11 +8,10 @@
   vectors but not meaning.
 
 Every embedder returns float32 rows of unit length, so inner product is cosine.
-``MicroBatcher`` turns concurrent single-text calls into one model call: the
-first request starts a batch, everything that arrives within ``batch_wait_ms``
-(and everything queued while the previous batch ran) joins it, up to
-``batch_max``. With ``batch_wait_ms=0`` an idle cache adds no latency and a
-busy one still batches, because requests queue behind the running encode.
+``MicroBatcher`` turns concurrent single-text calls into one model call, with
+no timer: a lone request goes to the model at once, and everything queued
+while a call runs goes in the next one (up to ``batch_max``). An idle cache
+adds no latency and a busy one batches as much as its load brings.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import numpy as np
 import xxhash
 
 from . import fast_encode
+from .batching import Batcher
 
 EncodeBatch = Callable[[list[str]], Awaitable[np.ndarray]]
 
@@ -55,65 +55,42 @@ def unit_rows(vectors: np.ndarray) -> np.ndarray:
 
 
 class MicroBatcher:
-    """Coalesces concurrent ``embed`` calls into batched ``encode_batch`` calls."""
+    """Concurrent ``embed`` calls as batched ``encode_batch`` calls (see ``batching``).
 
-    def __init__(self, encode_batch: EncodeBatch, batch_max: int, batch_wait_s: float) -> None:
+    A lone call goes to the model at once; calls that arrive while the model runs go
+    together in its next call. Identical texts in one batch are encoded once (two
+    requests asking the same question at the same moment share one vector).
+    ``batches`` counts model calls, ``texts`` the texts they encoded.
+    """
+
+    def __init__(self, encode_batch: EncodeBatch, batch_max: int) -> None:
         self._encode = encode_batch
-        self._max = batch_max
-        self._wait = batch_wait_s
-        self._queue: asyncio.Queue[tuple[str, asyncio.Future[np.ndarray]]] | None = None
-        self._worker: asyncio.Task[None] | None = None
+        self._batcher: Batcher[str, np.ndarray] = Batcher(self._run, batch_max, name="kvgate-embed-batcher")
         self.batches = 0
         self.texts = 0
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, 0), dtype=np.float32)
-        loop = asyncio.get_running_loop()
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-        if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._run(self._queue), name="kvgate-embed-batcher")
-        futures = []
-        for text in texts:
-            fut: asyncio.Future[np.ndarray] = loop.create_future()
-            self._queue.put_nowait((text, fut))
-            futures.append(fut)
-        return np.stack(await asyncio.gather(*futures))
+        return np.stack(await self._batcher.submit_many(list(texts)))
 
-    async def _run(self, queue: asyncio.Queue[tuple[str, asyncio.Future[np.ndarray]]]) -> None:
-        while True:
-            batch = [await queue.get()]
-            if self._wait > 0:
-                await asyncio.sleep(self._wait)
-            while len(batch) < self._max and not queue.empty():
-                batch.append(queue.get_nowait())
-            # A caller that timed out has cancelled its future: don't encode for it.
-            batch = [(t, f) for t, f in batch if not f.done()]
-            if batch:
-                await self._encode_into(batch)
-
-    async def _encode_into(self, batch: list[tuple[str, asyncio.Future[np.ndarray]]]) -> None:
+    async def _run(self, texts: list[str]) -> list[np.ndarray]:
+        unique = list(dict.fromkeys(texts))
         try:
-            vectors = await self._encode([t for t, _ in batch])
-            if len(vectors) != len(batch):
-                raise EmbedderError(f"embedder returned {len(vectors)} vectors for {len(batch)} texts")
-        except Exception as exc:  # any embedder fault fails this batch only, never the worker
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, EmbedderError) else EmbedderError(repr(exc)))
-            return
+            vectors = await self._encode(unique)
+        except EmbedderError:
+            raise
+        except Exception as exc:  # any model fault is an embedder fault: the cache makes it a miss
+            raise EmbedderError(repr(exc)) from exc
+        if len(vectors) != len(unique):
+            raise EmbedderError(f"embedder returned {len(vectors)} vectors for {len(unique)} texts")
         self.batches += 1
-        self.texts += len(batch)
-        for (_, fut), vec in zip(batch, vectors):
-            if not fut.done():
-                fut.set_result(vec)
+        self.texts += len(unique)
+        row = {text: vectors[i] for i, text in enumerate(unique)}
+        return [row[text] for text in texts]
 
     async def aclose(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.wait({self._worker}, timeout=2.0)
-            self._worker = None
+        await self._batcher.aclose()
 
 
 def load_minilm() -> Any:
@@ -135,7 +112,7 @@ class LocalEmbedder:
     so the event loop never waits on it.
     """
 
-    def __init__(self, *, batch_max: int = 32, batch_wait_s: float = 0.0,
+    def __init__(self, *, batch_max: int = 32,
                  loader: Callable[[], Any] = load_minilm, name: str = "all-MiniLM-L6-v2",
                  threads: int | None = 1, fast: bool = True) -> None:
         self.name = name
@@ -146,7 +123,7 @@ class LocalEmbedder:
         self._fast: fast_encode.EncodeFn | None = None
         self._load_task: asyncio.Future[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-embed")
-        self._batcher = MicroBatcher(self._encode_batch, batch_max, batch_wait_s)
+        self._batcher = MicroBatcher(self._encode_batch, batch_max)
 
     @property
     def ready(self) -> bool:
@@ -205,13 +182,13 @@ class RemoteEmbedder:
     """An OpenAI-compatible embeddings endpoint; batches share one HTTP call."""
 
     def __init__(self, client: httpx.AsyncClient, url: str, model: str, *, batch_max: int = 32,
-                 batch_wait_s: float = 0.0, timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0) -> None:
         self.name = f"remote:{model}"
         self._client = client
         self._url = url
         self._model = model
         self._timeout = timeout_s
-        self._batcher = MicroBatcher(self._encode_batch, batch_max, batch_wait_s)
+        self._batcher = MicroBatcher(self._encode_batch, batch_max)
 
     @property
     def ready(self) -> bool:

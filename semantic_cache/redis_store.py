@@ -14,6 +14,18 @@ tag, ``{kvgate:sc:}``: every key above shares one slot, so the scripts in
 ``put`` and ``set_vector`` stay atomic. The cache then lives on one shard (it does
 not spread over the cluster); the stream is one key anyway.
 
+Writes (``put``, ``set_vector``) are batched (``batching.Batcher``): a lone write
+goes at once; writes that arrive while a batch is on the wire go together in the
+next one, one pipelined round trip carrying all their scripts. Eight answers
+completing at once then cost one round trip, not eight queued ones. A batch
+carries at most ``max_connections`` writes: never more than could have been in
+flight unbatched, so it holds the single-threaded server no longer than they
+would have. A batch that fails fails each of its writes with ``StoreUnavailable``
+(the cache counts each as a failed store; nothing is served from it). To the
+breaker it is one failed round trip however many writes it carried: one slow reply
+on a busy machine is one piece of evidence, not thirty. One script's error fails
+its own write only.
+
 Faults. Every call is bounded by the client's socket timeouts (connect and
 read = ``redis_timeout_s``) with no client retries, so a hung Redis costs at
 most one timeout; at most ``max_connections`` calls are in flight, the rest
@@ -35,14 +47,18 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .batching import Batcher
 from .models import Entry
 from .store import PurgeFilter, StoreUnavailable, decode_entry, encode_entry
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError, TimeoutError)
 _CHUNK = 256
+
+# One write for the batched pipeline: (script, keys, args).
+_Eval = tuple[str, list[str], list[Any]]
 
 # Store one entry and keep its namespace within ``cap``, in one atomic step (one round trip,
 # and one command for the client to encode instead of a seven-command MULTI: the write a
@@ -161,12 +177,17 @@ class RedisStore:
         if isinstance(self._r, aioredis.RedisCluster) and "{" not in prefix:
             self._p = "{" + prefix + "}"  # one hash slot for every key (see the module docstring)
         self.breaker = CircuitBreaker(breaker_failures)
+        self._writes: Batcher[_Eval, Any] = Batcher(self._write_batch, max_connections, name="kvgate-sc-writes")
         self._probe: asyncio.Task[None] | None = None
         self._closed = False
 
     @property
     def healthy(self) -> bool:
         return not self.breaker.is_open
+
+    @property
+    def writes(self) -> Batcher[_Eval, Any]:
+        return self._writes
 
     def _k(self, kind: str, name: str = "") -> str:
         return f"{self._p}{kind}{name}"
@@ -256,17 +277,35 @@ class RedisStore:
         keys = [self._k("e:", entry.id), self._k("ns:", entry.namespace), self._k("namespaces"), self._k("log")]
         args = [int(entry.expires_at) + 1, repr(time.time()), entry.id, entry.namespace, self._me, self._maxlen,
                 cap, self._k("e:"), *flat]
-        victims = await self._call(lambda r: r.eval(_PUT, len(keys), *keys, *args))
+        victims = await self._writes.submit((_PUT, keys, args))
         return [v.decode() if isinstance(v, bytes) else str(v) for v in victims]
 
     async def set_vector(self, entry: Entry) -> bool:
         if entry.vector is None:
             return False
         vec = np.ascontiguousarray(entry.vector, dtype=np.float32).tobytes()
-        done = await self._call(lambda r: r.eval(
-            _SET_VECTOR, 2, self._k("e:", entry.id), self._k("log"), repr(entry.created), self._embedder,
-            vec, entry.id, self._me, self._maxlen))
+        done = await self._writes.submit((_SET_VECTOR, [self._k("e:", entry.id), self._k("log")],
+                                          [repr(entry.created), self._embedder, vec, entry.id, self._me,
+                                           self._maxlen]))
         return bool(done)
+
+    async def _write_batch(self, batch: list[_Eval]) -> list[Any]:
+        """Every write of a batch in one pipelined round trip (no MULTI: each script is
+        atomic by itself, and one failing must not undo the others)."""
+        async def op(r: aioredis.Redis) -> Any:
+            if len(batch) == 1:  # a lone write pays for no pipeline
+                script, keys, args = batch[0]
+                try:
+                    return [await r.eval(script, len(keys), *keys, *args)]
+                except ResponseError as exc:  # its script failed: its own error, as in a batch
+                    return [exc]
+            pipe = r.pipeline(transaction=False)
+            for script, keys, args in batch:
+                pipe.eval(script, len(keys), *keys, *args)
+            return await pipe.execute(raise_on_error=False)
+
+        replies = await self._call(op)
+        return [StoreUnavailable(repr(x)) if isinstance(x, Exception) else x for x in replies]
 
     async def _delete(self, ids: list[str]) -> None:
         for i in range(0, len(ids), _CHUNK):
@@ -387,6 +426,7 @@ class RedisStore:
 
     async def aclose(self) -> None:
         self._closed = True
+        await self._writes.aclose()
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.wait({self._probe}, timeout=2.0)

@@ -54,8 +54,11 @@ class SemanticCacheSettings(_Section):
     # sent the moment the answer arrives is a hit (in-process: immediate; Redis: one round
     # trip, ~0.3 ms). A slower Redis finishes the write in the background instead.
     store_wait_ms: float = Field(50.0, ge=0)
+    # Texts per model call. No wait to fill a batch: a lone query goes at once, and what
+    # queued while the model ran goes in its next call. The cap bounds one call, so a query
+    # queued behind a full batch still meets embed_timeout_s (32 short questions: ~0.2 s
+    # on one core, ~6 ms each).
     batch_max: int = Field(32, ge=1)
-    batch_wait_ms: float = Field(0.0, ge=0)
     # HNSW parameters; partitions smaller than brute_force_max are searched exactly.
     hnsw_m: int = Field(16, ge=4, le=64)
     hnsw_ef_construction: int = Field(100, ge=10)

@@ -38,7 +38,7 @@ async def test_micro_batcher_coalesces_concurrent_calls() -> None:
         await asyncio.sleep(0.01)  # while one batch runs, the next fills up
         return np.array([[float(len(t)), 1.0] for t in texts], dtype=np.float32)
 
-    batcher = MicroBatcher(encode, batch_max=8, batch_wait_s=0.002)
+    batcher = MicroBatcher(encode, batch_max=8)
     try:
         results = await asyncio.gather(*[batcher.embed(["x" * i]) for i in range(20)])
         assert [float(r[0][0]) for r in results] == [float(i) for i in range(20)]  # each got its own
@@ -55,7 +55,7 @@ async def test_micro_batcher_failure_fails_only_that_batch() -> None:
             raise RuntimeError("model exploded")
         return np.ones((len(texts), 2), dtype=np.float32)
 
-    batcher = MicroBatcher(encode, batch_max=4, batch_wait_s=0)
+    batcher = MicroBatcher(encode, batch_max=4)
     try:
         with pytest.raises(EmbedderError):
             await batcher.embed(["a"])
