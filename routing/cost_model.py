@@ -138,9 +138,11 @@ class CostModel:
         return out
 
     # -- internals ---------------------------------------------------------------------
-    def _hold(self, info: PrefixInfo, route: RouteKey, bit: int) -> None:
-        """Record that replica ``bit`` holds (or is about to hold) the request's prompt."""
-        self.index.add(info.hashes, bit)
+    def _hold(self, info: PrefixInfo, route: RouteKey, bit: int, known: int = 0) -> None:
+        """Record that replica ``bit`` holds (or is about to hold) the request's prompt.
+
+        ``known``: the blocks of it the index was just found to hold there."""
+        self.index.add(info.hashes, bit, known)
         self.index.add_key(route.key, bit)
 
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
@@ -174,9 +176,10 @@ class CostModel:
         context = max(route.cut, spans[-1].start if len(spans) > 1 else 0)
         presumed = 0.0 if holders else context * _others_share(order)
         ahead, uncached = [], []
+        depths = self.index.depths(info.hashes, (1 << len(self.bits)) - 1) if info.hashes else {}
         for i, r in enumerate(order):
             bit = self.bits.get(r.name)
-            held = float(self.index.depth_of(info.hashes, bit) * info.block) if bit is not None and info.hashes else 0.0
+            held = float(depths.get(bit, 0) * info.block) if bit is not None else 0.0
             if bit is not None and holders >> bit & 1:
                 held = max(held, float(route.cut))
             elif i == 0:
@@ -202,7 +205,7 @@ class CostModel:
             if self.gossip is not None and not self.index.holders(route.key):
                 self.gossip.note(PLACED, route.key, chosen.name)  # the others presume it is home
         if info.hashes:
-            self._hold(info, route, bit)
+            self._hold(info, route, bit, self.index.depth_of(info.hashes, bit))
             request.scratch[_SENT] = chosen.name
 
 
