@@ -96,10 +96,12 @@ def analyse(request: RouteRequest, settings: RoutingSettings, chains: ChainCache
     block = settings.block_chars
     if chains is None:
         hashes = chain_hashes(rendered.data, seed, block, settings.max_blocks)
+        ends = None
     else:
-        hashes = chains.chain(rendered.data, seed, block, settings.max_blocks, rendered.spans)
+        marker = settings.boundary_marker.encode("utf-8", "surrogatepass")
+        hashes, ends = chains.analyse(rendered.data, seed, block, settings.max_blocks, rendered.spans, marker)
     limit = len(rendered.data) if len(rendered.data) // block <= len(hashes) else len(hashes) * block
-    explicit = explicit_cuts(rendered, settings.boundary_marker, request.boundary_hint)
+    explicit = explicit_cuts(rendered, settings.boundary_marker, request.boundary_hint, ends)
     info = PrefixInfo(rendered, seed, hashes, explicit, limit, block)
     request.scratch[_SCRATCH_INFO] = (tag, info)
     return info
