@@ -8,7 +8,7 @@ For every request the policy asks each eligible replica one question: how many
 prompt tokens would this request wait behind there, and add? (NVIDIA Dynamo's
 KV router asks the same.)
 
-    cost(r) = queued(r) + uncached(r) + in_flight(r) x (uncached(r) - min uncached)
+    cost(r) = queued(r) + uncached(r) + in_flight(r) x (uncached(r) - min uncached + typical)
                                                   in prompt tokens
 
 * ``uncached(r)``: the request's prompt minus what ``r`` is believed to hold of
@@ -19,11 +19,20 @@ KV router asks the same.)
   ``r`` has not prefilled yet (``routing.backlog``), plus the requests ``r``
   reports waiting for other clients, each weighed as an average request of
   ours (their prompts are not known here; their traffic is assumed alike).
-* the last term prices the prefill a replica does only because the request did
-  not go where it is warmest: every request in flight there waits for, or
-  decodes around, that extra prefill (Little's law: they are the requests the
-  extra work delays). On an idle replica moving is nearly free; on a busy one
-  it must buy its way with a queue that much shorter.
+* the last term has two parts, both per request in flight at ``r``. The first
+  prices the prefill a replica does only because the request did not go where
+  it is warmest: every request in flight there waits for, or decodes around,
+  that extra prefill (Little's law: they are the requests the extra work
+  delays). The second is the decode load (Dynamo's ``decode_blocks``): each
+  request in flight holds about a ``typical`` prompt's KV (the mean prompt of
+  this instance's requests, this one included) that the new one decodes
+  beside and whose next turns will want this replica's room under the bound.
+  Queued prefill alone cannot see it: a replica whose prefills are done looks
+  empty while it decodes for a dozen conversations. So a new conversation goes
+  where fewer are decoding, which keeps room at busy replicas for the turns of
+  the conversations they hold; and a follow-up leaves its warm replica only
+  for one with clearly fewer in flight (about half: moving costs a prompt's
+  prefill per request in flight where it lands).
 
 **The bound** (consistent hashing with bounded loads, Mirrokni, Thorup and
 Zadimoghaddam): a replica takes the request only if its in-flight count stays
@@ -95,6 +104,8 @@ class CostModel:
         # The mean prompt work of this instance's requests: what another client's
         # waiting request is taken to weigh.
         self._work_sum = 0.0
+        # And the mean prompt: what each request in flight is taken to hold (decode load).
+        self._prompt_sum = 0.0
         # Decisions, and how many left the key's home (for metrics and the benchmark).
         self.decisions = 0
         self.moved = 0
@@ -156,12 +167,16 @@ class CostModel:
         now = [load_now(r) for r in order]
         fits = within_bound(now, [r.weight for r in order], self.settings.epsilon)
         work = self._work(info, route, order)
-        costs = [ahead + uncached for ahead, uncached in work]
+        # Decode load: every request in flight weighs a typical prompt (module doc).
+        prompt = len(info.rendered.data) / CHARS_PER_TOKEN
+        typical = (self._prompt_sum + prompt) / (self.decisions + 1)
+        costs = [ahead + uncached + load * typical for (ahead, uncached), load in zip(work, now)]
         # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
         inside = sorted((i for i in range(len(order)) if fits[i]), key=lambda i: (costs[i], work[i][1], i))
         over = sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
         picks = inside + over
         if learn:
+            self._prompt_sum += prompt
             self._commit(request, info, route, order[picks[0]], work[picks[0]][1], order[0])
         return [order[i] for i in picks]
 
