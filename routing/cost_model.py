@@ -24,15 +24,16 @@ KV router asks the same.)
   it is warmest: every request in flight there waits for, or decodes around,
   that extra prefill (Little's law: they are the requests the extra work
   delays). The second is the decode load (Dynamo's ``decode_blocks``): each
-  request in flight holds about a ``typical`` prompt's KV (the mean prompt of
-  this instance's requests, this one included) that the new one decodes
-  beside and whose next turns will want this replica's room under the bound.
-  Queued prefill alone cannot see it: a replica whose prefills are done looks
-  empty while it decodes for a dozen conversations. So a new conversation goes
-  where fewer are decoding, which keeps room at busy replicas for the turns of
-  the conversations they hold; and a follow-up leaves its warm replica only
-  for one with clearly fewer in flight (about half: moving costs a prompt's
-  prefill per request in flight where it lands).
+  request in flight there is one the new one decodes beside, weighed as
+  ``typical``, the prefill work of an average request of ours, the same unit
+  that weighs other clients' waiting requests (one unit of load, whatever
+  phase it is in). Queued prefill alone cannot see it: a replica whose
+  prefills are done looks empty while it decodes for a dozen conversations,
+  and new conversations filled exactly those replicas, whose follow-ups the
+  bound then refused. With it a new conversation goes where fewer are
+  decoding, keeping room at busy replicas for the turns of the conversations
+  they hold. Where most of each prompt is warm (organisations' shared
+  layers), ``typical`` is small and the term barely moves anything.
 
 **The bound** (consistent hashing with bounded loads, Mirrokni, Thorup and
 Zadimoghaddam): a replica takes the request only if its in-flight count stays
@@ -104,8 +105,6 @@ class CostModel:
         # The mean prompt work of this instance's requests: what another client's
         # waiting request is taken to weigh.
         self._work_sum = 0.0
-        # And the mean prompt: what each request in flight is taken to hold (decode load).
-        self._prompt_sum = 0.0
         # Decisions, and how many left the key's home (for metrics and the benchmark).
         self.decisions = 0
         self.moved = 0
@@ -167,23 +166,25 @@ class CostModel:
         now = [load_now(r) for r in order]
         fits = within_bound(now, [r.weight for r in order], self.settings.epsilon)
         work = self._work(info, route, order)
-        # Decode load: every request in flight weighs a typical prompt (module doc).
-        prompt = len(info.rendered.data) / CHARS_PER_TOKEN
-        typical = (self._prompt_sum + prompt) / (self.decisions + 1)
+        # Decode load: every request in flight weighs a typical request of ours (module doc).
+        typical = self._typical(info)
         costs = [ahead + uncached + load * typical for (ahead, uncached), load in zip(work, now)]
         # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
         inside = sorted((i for i in range(len(order)) if fits[i]), key=lambda i: (costs[i], work[i][1], i))
         over = sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
         picks = inside + over
         if learn:
-            self._prompt_sum += prompt
             self._commit(request, info, route, order[picks[0]], work[picks[0]][1], order[0])
         return [order[i] for i in picks]
+
+    def _typical(self, info: PrefixInfo) -> float:
+        """The prefill a request of this instance brings, on average (this one's prompt before any)."""
+        return self._work_sum / self.decisions if self.decisions else len(info.rendered.data) / CHARS_PER_TOKEN
 
     def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView]) -> list[tuple[float, float]]:
         """Per replica, in prompt tokens: (the work ahead of this request there, its own prefill there)."""
         prompt = len(info.rendered.data)
-        typical = self._work_sum / self.decisions if self.decisions else prompt / CHARS_PER_TOKEN
+        typical = self._typical(info)
         # Replicas known to hold the key hold its prefix (another instance may have said
         # so, without the blocks); if none is, the home is presumed to (module doc).
         holders = self.index.holders(route.key)
