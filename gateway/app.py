@@ -9,6 +9,7 @@ anywhere near a stream); the few middleware layers are assembled in
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import time
 from typing import Any, AsyncIterator
 
@@ -19,29 +20,43 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .errors import BadRequest, GatewayError, NotFound, error_payload
+from .errors import BadRequest, GatewayError, NotFound
+from .messages_api import is_messages_path, shape_for
 from .asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
 from .proxy import PATHS, ProxyEndpoint
+from .responses_api import ResponsesEndpoint
+from .responses_routes import response_routes
+from .utility_routes import utility_endpoints
 from .runtime import Runtime
 from .settings import Settings
 from .worker_info import WorkerInfo
 
+try:
+    _VERSION = importlib.metadata.version("kvgate")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "unknown"
+
 
 def _error_response(err: GatewayError, request: Request | None = None) -> Response:
-    return Response(error_payload(err), status_code=err.status, media_type="application/json",
-                    headers=err.headers)
+    # Under /v1/messages even a wrong route or method answers in Anthropic's shape.
+    path = request.url.path if request is not None else ""
+    headers = err.headers
+    if request is not None and is_messages_path(path) and "kvgate.request_id" in request.scope:
+        headers = {**headers, "request-id": request.scope["kvgate.request_id"]}
+    return Response(shape_for(path).payload(err), status_code=err.status, media_type="application/json",
+                    headers=headers)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return _error_response(NotFound(f"unknown route {request.url.path}", code="unknown_route"))
+        return _error_response(NotFound(f"unknown route {request.url.path}", code="unknown_route"), request)
     if exc.status_code == 405:
         err = BadRequest(f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
         err.status = 405
-        return _error_response(err)
-    return _error_response(BadRequest(str(exc.detail)))
+        return _error_response(err, request)
+    return _error_response(BadRequest(str(exc.detail)), request)
 
 
 def _routes(rt: Runtime) -> list[Route]:
@@ -50,6 +65,9 @@ def _routes(rt: Runtime) -> list[Route]:
         data = [{"id": m, "object": "model", "created": created, "owned_by": "kvgate"}
                 for m in rt.pool.models(healthy_only=True)]
         return JSONResponse({"object": "list", "data": data})
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": _VERSION})  # kvgate's own: replicas may run different vLLMs
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -63,6 +81,7 @@ def _routes(rt: Runtime) -> list[Route]:
 
     return [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -110,10 +129,12 @@ def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path
         finally:
             await rt.stop()
 
-    endpoints = {PATHS[name]: ProxyEndpoint(name, rt) for name in PATHS}
+    kinds = {"responses": ResponsesEndpoint}  # protocols with their own hooks; the rest are chat-like
+    endpoints: dict[str, ProxyEndpoint] = {PATHS[name]: kinds.get(name, ProxyEndpoint)(name, rt) for name in PATHS}
+    endpoints.update(utility_endpoints(rt))
     proxy_routes = [Route(path, _method_not_allowed, methods=["GET", "PUT", "PATCH", "DELETE"])
                     for path in endpoints]
-    app = Starlette(routes=[*_routes(rt), *proxy_routes], lifespan=lifespan,
+    app = Starlette(routes=[*_routes(rt), *proxy_routes, *response_routes(rt)], lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception})
     app.state.runtime = rt
     return KvgateApp(app, endpoints, worker)
@@ -122,4 +143,4 @@ def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path
 async def _method_not_allowed(request: Request) -> Response:
     err = BadRequest(f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
     err.status = 405
-    return _error_response(err)
+    return _error_response(err, request)

@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 import orjson
 
-from .errors import BadRequest, GatewayError, PayloadTooLarge, error_payload
+from .errors import OPENAI_SHAPE, BadRequest, ErrorShape, GatewayError, PayloadTooLarge
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -69,13 +69,16 @@ async def read_body(receive: Receive, *, limit: int, content_length: str | None,
 
 
 class Exchange:
-    """The client side of one request: response status, headers, and whether it has started."""
+    """The client side of one request: response status, headers, and whether it has started.
 
-    __slots__ = ("send", "headers", "started", "status", "bytes_sent")
+    ``shape`` spells kvgate's errors for this route (OpenAI's unless told otherwise)."""
 
-    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+    __slots__ = ("send", "headers", "started", "status", "bytes_sent", "shape")
+
+    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]], shape: ErrorShape = OPENAI_SHAPE) -> None:
         self.send = send
         self.headers = headers  # sent with every response, errors included
+        self.shape = shape
         self.started = False
         self.status = 0
         self.bytes_sent = 0
@@ -100,7 +103,7 @@ class Exchange:
 
     async def error(self, err: GatewayError) -> None:
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()]
-        await self.json(err.status, error_payload(err), extra)
+        await self.json(err.status, self.shape.payload(err), extra)
 
 
 async def until_disconnect(receive: Receive) -> None:

@@ -1,4 +1,4 @@
-"""kvgate's one error hierarchy, mapped to OpenAI-shaped responses at one point.
+"""kvgate's one error hierarchy, mapped to the route's error shape at one point.
 
     GatewayError                      every error a client may see
     ├── BadRequest          400       malformed JSON, wrong types, limits (param set)
@@ -11,6 +11,10 @@
     ├── NoReplica           503       no healthy replica serves the model
     └── UpstreamTimeout     504       no first byte in time
 
+Each route spells them in its protocol's shape (``ErrorShape``): OpenAI's
+``{"error": {...}}`` everywhere but under /v1/messages, which uses
+Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
+
 Only these messages reach clients. Anything else is an internal error: the
 client gets a generic 500 with the request id, and the details stay in our
 logs. Messages are written here or by the code raising them; they never
@@ -19,7 +23,7 @@ embed a key, a prompt or an upstream's raw body.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -120,6 +124,27 @@ def error_payload(err: GatewayError) -> bytes:
 def sse_error_event(err: GatewayError) -> bytes:
     """A mid-stream failure, in the shape the OpenAI SDK raises as APIError."""
     return b"data: " + orjson.dumps(err.body()) + b"\n\n"
+
+
+class ErrorShape(Protocol):
+    """How one route spells kvgate's errors: a whole response body, and an event in a stream
+    that already started. OpenAI's by default; /v1/messages uses Anthropic's
+    (``gateway.messages_api.ANTHROPIC_SHAPE``)."""
+
+    def payload(self, err: GatewayError) -> bytes: ...
+
+    def event(self, err: GatewayError) -> bytes: ...
+
+
+class OpenAIShape:
+    def payload(self, err: GatewayError) -> bytes:
+        return error_payload(err)
+
+    def event(self, err: GatewayError) -> bytes:
+        return sse_error_event(err)
+
+
+OPENAI_SHAPE = OpenAIShape()
 
 
 def from_policy(err: Any, headers: dict[str, str] | None = None) -> GatewayError:

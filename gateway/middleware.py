@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from .asgi_io import Receive, Scope, Send, request_id
-from .errors import GatewayError, error_payload
+from .errors import GatewayError
+from .messages_api import shape_for
 
 MAX_HEADER_BYTES = 60 * 1024
 MAX_HEADERS = 100
@@ -25,7 +26,7 @@ class HeaderLimits:
             if len(headers) > self.max_count or sum(map(len, map(b"".join, headers))) > self.max_bytes:
                 err = GatewayError("request headers are too large", code="headers_too_large")
                 err.status, err.type = 431, "invalid_request_error"
-                body = error_payload(err)
+                body = shape_for(scope.get("path", "")).payload(err)
                 await send({"type": "http.response.start", "status": 431,
                             "headers": [(b"content-type", b"application/json"),
                                         (b"content-length", str(len(body)).encode()),

@@ -1,10 +1,11 @@
 """The hot path: parse, run policies, route, forward, stream back.
 
-One ASGI endpoint per OpenAI route. It holds no business logic of its own:
-validation (``validate``), tenant policy (``runtime.admit``), the semantic
-cache, routing (``upstream.open_upstream``) and relaying (``relay``) are
-each behind a narrow call. Errors become OpenAI-shaped responses here and
-nowhere else.
+One ASGI endpoint per OpenAI route, and per Anthropic Messages route (its
+protocol's specifics live in ``messages_api`` and ``messages_sse``). It holds
+no business logic of its own: validation (``validate``), tenant policy
+(``runtime.admit``), the semantic cache, routing (``upstream.open_upstream``)
+and relaying (``relay``) are each behind a narrow call. Errors become responses in the route's shape
+(``Exchange.shape``) here and nowhere else.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from .context import RequestContext
 from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_body, request_id, \
     run_unless_disconnected
 from . import stages
-from .errors import BadRequest, GatewayError, UpstreamError, UpstreamTimeout, internal_error
+from .errors import OPENAI_SHAPE, BadRequest, ErrorShape, GatewayError, UpstreamError, UpstreamTimeout, internal_error
+from .messages_api import MESSAGES_ENDPOINTS, MESSAGES_PATHS, shape_for, upstream_headers, validate_messages
+from .messages_sse import MessagesObserver
 from .relay import Outcome, relay_stream, relay_whole
 from .sse import StreamObserver
 from .transport import UPSTREAM_HEADERS
-from .upstream import UpstreamCall, open_upstream, read_error_body
+from .upstream import Attempt, UpstreamCall, open_upstream, read_error_body
 from .validate import parse_json, validate
 
 if TYPE_CHECKING:
@@ -34,20 +37,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvgate.access")
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+         "responses": "/v1/responses", **MESSAGES_PATHS}
+_UNARY = ("embeddings", "count_tokens")
 
 
 class ProxyEndpoint:
+    # Class defaults, so a subclass with its own __init__ (utility routes) keeps OpenAI's shape.
+    shape: ErrorShape = OPENAI_SHAPE
+    anthropic = False
+
     def __init__(self, endpoint: str, runtime: "Runtime") -> None:
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.rt = runtime
+        self.shape = shape_for(self.path)
+        self.anthropic = endpoint in MESSAGES_ENDPOINTS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         headers = _headers(scope)
         rid = scope.get("kvgate.request_id") or request_id(headers.get("x-request-id"))
-        exchange = Exchange(send, [])
+        exchange = Exchange(send, [], self.shape)
+        if self.anthropic:
+            exchange.add_header("request-id", rid)  # where the anthropic SDK looks for it
         status, replica, tenant, outcome, ctx = 0, "-", "-", None, None
         try:
             ctx = await self._prepare(scope, receive, headers, rid, started)
@@ -86,11 +99,14 @@ class ProxyEndpoint:
         raw = await read_body(receive, limit=limits.max_body_bytes, content_length=headers.get("content-length"),
                               deadline_s=rt.settings.timeouts.body_receive_s)
         body = parse_json(raw, max_depth=limits.max_json_depth)
-        model = validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
+        if self.anthropic:  # Anthropic's body rules, and its anthropic-version header
+            model = validate_messages(self.endpoint, body, headers, max_tokens=limits.max_tokens_ceiling)
+        else:
+            model = self._validate(body)
         if rt.settings.log_prompts and log.isEnabledFor(logging.DEBUG):
             # Only with log_prompts: true AND debug level, both set on purpose by an operator.
             log.debug("request body", extra={"request_id": rid, "body": body})
-        stream = bool(body.get("stream")) and self.endpoint != "embeddings"
+        stream = bool(body.get("stream")) and self.endpoint not in _UNARY
         so = body.get("stream_options")
         include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
         ctx = RequestContext(rid, self.endpoint, headers, body, model, tenant, stream, include_usage, started)
@@ -103,17 +119,21 @@ class ProxyEndpoint:
             exchange.headers.append((name, value))
         if await stages.serve_from_cache(rt, ctx, exchange):
             return "cache", None
-        body = stages.upstream_body(ctx)
+        body = self._upstream_body(ctx)
         route = RouteRequest(ctx.endpoint, ctx.model, ctx.tenant.namespace, ctx.body,
                              boundary_hint=ctx.headers.get("x-kvgate-cache-boundary"))
+        if rt.tokenization.enabled:
+            # Once per request, from the body the replica will see (None: route approximately).
+            route.token_ids = await rt.tokenization.token_ids(ctx.model, ctx.endpoint, body)
         timeouts = rt.settings.timeouts
         call = UpstreamCall(
             path=self.path, payload=orjson.dumps(body),
-            headers={**UPSTREAM_HEADERS, "content-type": "application/json", "x-request-id": ctx.request_id},
+            headers={**UPSTREAM_HEADERS, "content-type": "application/json", "x-request-id": ctx.request_id,
+                     **(upstream_headers(ctx.headers) if self.anthropic else {})},
             read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
         )
-        attempt = await open_upstream(rt.pool, rt.policy, route, call, rt.replica_keys)
+        attempt = await self._open(route, call, ctx)
         try:
             replica = attempt.replica
             exchange.add_header("x-kvgate-replica", replica.name)
@@ -133,19 +153,32 @@ class ProxyEndpoint:
                 rt.pool.record_failure(replica)
                 raise
             rt.pool.record_success(replica) if outcome.failure is None else rt.pool.record_failure(replica)
-            rt.policy.observe(route, RouteFeedback(
-                replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
-                outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None))
+            if self.endpoint != "count_tokens":  # counting prefills nothing: the replica holds no new blocks
+                rt.policy.observe(route, RouteFeedback(
+                    replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
+                    outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None))
             stages.after_response(rt, ctx, replica.name, outcome)
             return replica.name, outcome
         finally:
             await attempt.close()
 
+    # Per-protocol hooks: a protocol with its own body rules or routing overrides these.
+    def _validate(self, body: dict[str, Any]) -> str:
+        limits = self.rt.settings.limits
+        return validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
+
+    def _upstream_body(self, ctx: RequestContext) -> dict[str, Any]:
+        return stages.upstream_body(ctx)
+
+    async def _open(self, route: RouteRequest, call: UpstreamCall, ctx: RequestContext) -> Attempt:
+        return await open_upstream(self.rt.pool, self.rt.policy, route, call, self.rt.replica_keys)
+
     async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
         timeouts = self.rt.settings.timeouts
         on_complete = None if ctx.cache_req is None else partial(stages.store_answer, self.rt, ctx)
         if ctx.stream:
-            observer = StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
+            observer = MessagesObserver() if self.endpoint == "messages" else \
+                StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
             return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
                                       stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete)
         return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s,

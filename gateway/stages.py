@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 log = logging.getLogger("kvgate.stages")
-_CACHEABLE = ("chat", "completions")
+# Looked up by the cache: responses and messages only to be bypassed, their reason counted in
+# metrics (x-kvgate-cache: bypass). semantic_cache keys and replays chat and completions answers only.
+_CACHEABLE = ("chat", "completions", "responses", "messages")
 
 
 def authenticate(rt: "Runtime", headers: dict[str, str], query_string: bytes) -> "Tenant":
@@ -54,6 +56,9 @@ async def admit(rt: "Runtime", ctx: "RequestContext") -> None:
 
 def upstream_body(ctx: "RequestContext") -> dict[str, Any]:
     """What the replica receives: no routing hints it would reject; usage always on for streams."""
+    if ctx.endpoint in ("messages", "count_tokens"):
+        # vLLM takes cache_control on /v1/messages, and its streams always end with usage.
+        return dict(ctx.body)
     body = strip_cache_control(ctx.body) if ctx.endpoint == "chat" else dict(ctx.body)
     if ctx.stream and not ctx.include_usage:
         so = body.get("stream_options")

@@ -3,11 +3,13 @@
 ``evaluate`` applies, in order:
   1. the model allow-list (a refusal ends evaluation: nothing else matters);
   2. ``strip_client_fields``: fields no client may set never reach upstream;
-  3. ``normalize_tools`` when the tenant opted in (before hygiene, so hygiene
-     judges what upstream will actually render);
-  4. the tenant's ``cache_salt`` (chat and text completions only);
-  5. prompt hygiene of the final body (chat only; completions carry a raw
-     prompt with no message structure to find the boundary in).
+  3. ``normalize_tools`` when the tenant opted in, on chat and messages (before
+     hygiene, so hygiene judges what upstream will actually render);
+  4. the tenant's ``cache_salt`` (chat, text completions, responses, Anthropic
+     messages and the pooling routes: the routes whose vLLM request model has the field);
+  5. prompt hygiene of the final body (chat, and responses and messages seen as
+     chat; completions carry a raw prompt with no message structure to find the
+     boundary in).
 It performs no I/O and keeps no state; ``engine.PolicyEngine`` adds the rate
 limiter and the cross-request hygiene tracker around it.
 """
@@ -18,15 +20,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from routing.messages_view import chat_view
+
 from .errors import ModelNotAllowed, PolicyError
 from .hygiene import PrefixWarning, analyze, warning_kinds
 from .normalize import normalize_tools
+from .responses_view import as_chat
 from .salt import apply_salt, strip_client_fields
 from .tenants import Tenant, allows_model
 
-Endpoint = Literal["chat", "completions", "embeddings", "other"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "messages", "count_tokens", "other"]
 PREFIX_WARNING_HEADER = "x-kvgate-prefix-warning"
-_SALTED: frozenset[str] = frozenset({"chat", "completions"})
+# vLLM's pooling requests (rerank, score, pooling, classify) take cache_salt too
+# (PoolingBasicRequestMixin): a pooling model with prefix caching has the same side channel.
+# So does vLLM 0.33's AnthropicMessagesRequest (its count_tokens request does not).
+_SALTED: frozenset[str] = frozenset({"chat", "completions", "responses", "messages", "rerank", "score", "pooling",
+                                     "classify"})
+_HYGIENE: frozenset[str] = frozenset({"chat", "responses", "messages"})  # bodies with a message structure
+# Anthropic tools render through vLLM's chat template as chat's do.
+_TOOLS_NORMALISED: frozenset[str] = frozenset({"chat", "messages"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +83,13 @@ def warning_headers(warnings: tuple[PrefixWarning, ...] | list[PrefixWarning]) -
     return ((PREFIX_WARNING_HEADER, ",".join(kinds)),) if kinds else ()
 
 
+def hygiene_body(endpoint: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What hygiene reads: a chat body as it is; a Responses or Messages body as the chat it becomes."""
+    if endpoint == "responses":
+        return as_chat(body)
+    return chat_view(dict(body)) if endpoint == "messages" else body
+
+
 def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "chat",
              boundary: int | None = None, marker: str | None = None) -> PolicyDecision:
     """The tenant's policy applied to one validated request body. Pure; the input is not modified.
@@ -83,11 +102,11 @@ def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "c
     if isinstance(model, str) and not allows_model(tenant, model):
         return PolicyDecision(tenant, body, rejection=Rejection.from_error(ModelNotAllowed(model)))
     out, stripped = strip_client_fields(body)
-    if tenant.normalize_tools and endpoint == "chat":
+    if tenant.normalize_tools and endpoint in _TOOLS_NORMALISED:
         out = normalize_tools(out, sort_tools=tenant.sort_tools)
     if endpoint in _SALTED:
         out = apply_salt(out, tenant.cache_salt)
     warnings: tuple[PrefixWarning, ...] = ()
-    if tenant.prompt_hygiene and endpoint == "chat":
-        warnings = tuple(analyze(out, boundary=boundary, marker=marker))
+    if tenant.prompt_hygiene and endpoint in _HYGIENE:
+        warnings = tuple(analyze(hygiene_body(endpoint, out), boundary=boundary, marker=marker))
     return PolicyDecision(tenant, out, warning_headers(warnings), warnings, stripped)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from .decision import Endpoint, PolicyDecision, Rejection, evaluate, warning_headers
+from .decision import Endpoint, PolicyDecision, Rejection, evaluate, hygiene_body, warning_headers
 from .errors import ApiKeyInQuery, RateLimited
 from .hygiene_state import HygieneTracker
 from .keys import extract_api_key, query_has_api_key
@@ -53,9 +53,9 @@ class PolicyEngine:
             return replace(decision, rejection=Rejection.from_error(err, tuple(rate.headers())),
                            response_headers=tuple(rate.headers()))
         warnings = decision.warnings
-        if self.tracker is not None and endpoint == "chat" and tenant.prompt_hygiene:
-            warnings = tuple(self.tracker.observe(tenant.name, decision.body, decision.warnings,
-                                                  boundary=boundary, marker=self._marker))
+        if self.tracker is not None and endpoint in ("chat", "messages") and tenant.prompt_hygiene:
+            warnings = tuple(self.tracker.observe(tenant.name, hygiene_body(endpoint, decision.body),
+                                                  decision.warnings, boundary=boundary, marker=self._marker))
         return replace(decision, warnings=warnings,
                        response_headers=warning_headers(warnings) + tuple(rate.headers()))
 

@@ -77,6 +77,9 @@ class RouteRequest:
     # when the client gave one: the number of leading messages that are stable
     # (``routing.boundary.parse_boundary_hint``; anything else is ignored).
     boundary_hint: str | None = None
+    # The token ids vLLM will prefill (routing.tokens), filled once per request by the
+    # gateway before routing when the model has a tokenizer; None: route approximately.
+    token_ids: list[int] | None = None
     # Filled in lazily by prefix policies; cached here so hashing happens once.
     scratch: dict[str, Any] = field(default_factory=dict)
 

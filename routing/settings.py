@@ -4,11 +4,32 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class KVEventSettings(_Section):
+    """How kvgate consumes the replicas' KV events (endpoints: ``replicas[].kv_events``)."""
+
+    # Replicas found through dns_name publish on these ports of their address (vLLM's
+    # --kv-events-config endpoint / replay_endpoint ports). None: DNS replicas stay approximate.
+    port: int | None = Field(None, ge=1, le=65535)
+    replay_port: int | None = Field(None, ge=1, le=65535)
+    # Work that must store blocks was sent to a replica and no event came for this long:
+    # its stream is slow or lost, so it is routed on the approximate index until one does.
+    # Events follow a prefill step within milliseconds; seconds mean something is wrong.
+    stale_s: float = Field(5.0, gt=0)
+    # A block held in a lower tier (vLLM's CPU offload) saves its prefill but pays a copy
+    # back to the GPU first: without a measurement of that ratio on the fleet, half.
+    cpu_weight: float = Field(0.5, ge=0, le=1)
+    # Per replica, far above any real pool (2M blocks = 32M tokens at 16 per block): past it
+    # removals were lost, and the replica's entries are cleared and relearned.
+    max_blocks: int = Field(1 << 21, ge=1024)
 
 
 class RoutingSettings(_Section):
@@ -67,6 +88,28 @@ class RoutingSettings(_Section):
     # choice goes first only if it is deeper by at least this many characters
     # (and by half again): small gains do not justify diverging from other instances.
     index_min_gain_chars: int = Field(2048, ge=0)
+    # Exact token ids per served model (routing.tokens), so routing can key on what vLLM
+    # will prefill: a Hugging Face tokenizer directory (the files the replicas load,
+    # chat template included) per model name, tokenized in process ...
+    tokenizers: dict[str, str] = Field(default_factory=dict)
+    # ... or a vLLM render server (`vllm launch render MODEL_DIR`) asked for the ids of
+    # every model without a directory above. Neither: approximate keys (block_chars).
+    render_url: str | None = None
+    render_timeout_s: float = Field(0.5, gt=0)
+    # Tokens per KV block on the replicas (vLLM's --block-size; 16 is its default).
+    block_size: int = Field(16, ge=1, le=1024)
     # Re-resolve replicas from a headless-service DNS name, e.g. "vllm.ns.svc.cluster.local:8000".
     dns_name: str | None = None
     dns_interval_s: float = Field(10.0, gt=0)
+    # Precise mode's event streams (routing.kv_events; used by policy "cost").
+    kv_events: KVEventSettings = Field(default_factory=KVEventSettings)
+
+    @field_validator("render_url")
+    @classmethod
+    def _render_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL with a host, e.g. http://127.0.0.1:8100")
+        return v.rstrip("/")

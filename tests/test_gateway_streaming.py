@@ -31,6 +31,9 @@ def _chat(stack: Stack, **kw: object) -> dict[str, object]:
 
 def test_stream_is_incremental(slow_stack: Stack) -> None:
     client = openai.OpenAI(base_url=slow_stack.base_url, api_key="x", max_retries=0)
+    # The SDK imports its chunk types on first use, holding the GIL meanwhile: that stalls the
+    # simulator's engine thread, which then catches up in a burst. Warm it up first.
+    list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, stream=True))
     arrivals = []
     t0 = time.perf_counter()
     for _ in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, stream=True):

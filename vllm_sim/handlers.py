@@ -36,7 +36,11 @@ _GARBAGE_EVENT = b'data: {"id": "chatcmpl-garbage", "choices": [{"delta": \n\n'
 
 
 class _Format:
-    """Builds one request's SSE events and final body (ids, model and usage mode fixed per request)."""
+    """Builds one request's SSE events and final body (ids, model and usage mode fixed per request).
+
+    The Anthropic Messages route (``vllm_sim.messages``) subclasses it: same engine, other events."""
+
+    garbage = _GARBAGE_EVENT  # what the ``garbage`` fault sends after the first token
 
     def __init__(self, params: GenerationParams, rid: str) -> None:
         self.chat = params.kind == "chat"
@@ -65,6 +69,10 @@ class _Format:
     def usage_event(self, gen: Generation) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return wire.usage_chunk(self.rid, self.created, self.model, obj, _usage(gen))
+
+    def closing(self, gen: Generation) -> bytes:
+        """The events after the last token."""
+        return (self.usage_event(gen) if self.with_usage else b"") + wire.DONE
 
     def response(self, gen: Generation, texts: list[list[str]]) -> dict[str, Any]:
         build = wire.chat_response if self.chat else wire.completion_response
@@ -100,16 +108,34 @@ class GenerationEndpoint:
         try:
             request, fmt, stream = await self._prepare(raw, faults)
         except wire.ApiError as exc:
-            await sender.json(exc.status, exc.body())
+            await sender.json(exc.status, self._error_body(exc))
             return
         write = self._stream if stream else self._unary
         await run_until_disconnect(write(sender, request, fmt, faults), receive, sender)
 
+    def _error_body(self, exc: wire.ApiError) -> dict[str, Any]:
+        return exc.body()
+
+    def _params(self, body: dict[str, Any]) -> GenerationParams:
+        return parse_generation(self.kind, body, self.replica.config)
+
+    async def _prompt_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """vLLM's exact prompt ids from the replica's real tokenizer, when it has one."""
+        return await self.replica.tokens.prompt_ids(self.kind, body)
+
+    def _format(self, params: GenerationParams, request: GenRequest) -> _Format:
+        return _Format(params, request.request_id)
+
     async def _prepare(self, raw: bytes, faults: Faults) -> tuple[GenRequest, _Format, bool]:
         """Validate and tokenize; raises ``ApiError`` with vLLM's status and wording."""
         config, engine = self.replica.config, self.replica.engine
-        params = parse_generation(self.kind, parse_json(raw), config)
+        body = parse_json(raw)
+        params = self._params(body)
         tokens = await prompt_tokens(params)
+        if self.replica.tokens is not None:
+            ids = await self._prompt_ids(body)
+            if ids:
+                tokens = ids
         max_tokens = resolve_max_tokens(params, len(tokens), config)
         try:
             engine.check_prompt(len(tokens))
@@ -118,7 +144,7 @@ class GenerationEndpoint:
         rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         request = GenRequest(rid, tokens, max_tokens, params.n, params.cache_salt,
                              hold_s=faults.stall_before_first_token_s)
-        return request, _Format(params, rid), params.stream
+        return request, self._format(params, request), params.stream
 
     async def _stream(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:
         async with self.replica.engine.generate(request) as gen:
@@ -135,14 +161,12 @@ class GenerationEndpoint:
                 opening = b""
                 sent += 1
                 if faults.garbage and sent == 1:
-                    await sender.body(_GARBAGE_EVENT)
+                    await sender.body(fmt.garbage)
                 if faults.stall_mid_stream_s and sent == faults.stall_after_tokens:
                     await asyncio.sleep(faults.stall_mid_stream_s)
             if opening:
                 await sender.body(opening)
-            if fmt.with_usage:
-                await sender.body(fmt.usage_event(gen))
-            await sender.body(wire.DONE, more=False)
+            await sender.body(fmt.closing(gen), more=False)
 
     async def _unary(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:
         texts: list[list[str]] = [[] for _ in range(request.n)]

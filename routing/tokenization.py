@@ -1,0 +1,108 @@
+"""Which token source serves each model, and how each has fared.
+
+Built once from ``routing.tokenizers`` and ``routing.render_url``: a model
+with a tokenizer directory is tokenized in process; any other model is asked
+of the render server when one is configured; the rest route approximately.
+A directory that fails to load is logged and reported (its model routes
+approximately) rather than stopping the gateway: routing quality degrades,
+serving does not.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from .render_tokens import RenderTokenSource
+from .settings import RoutingSettings
+from .tokens import HFTokenSource, TokenSource
+
+__all__ = ["Tokenization", "Mode"]
+
+log = logging.getLogger("kvgate.routing")
+
+Mode = Literal["in-process", "render", "approximate"]
+
+
+class Tokenization:
+    def __init__(self, settings: RoutingSettings, *, render: RenderTokenSource | None = None) -> None:
+        self.settings = settings
+        self.sources: dict[str, TokenSource] = {}
+        self.errors: dict[str, str] = {}
+        self.render = render
+        if self.render is None and settings.render_url:
+            self.render = RenderTokenSource(settings.render_url, timeout_s=settings.render_timeout_s)
+        self.loaded = not settings.tokenizers
+        self.exact: dict[str, int] = {}
+        self.fallback: dict[str, int] = {}
+
+    def load(self) -> "Tokenization":
+        """Load the tokenizer directories (seconds: transformers imports torch); blocking, run it in a thread."""
+        for model, directory in sorted(self.settings.tokenizers.items()):
+            try:
+                self.sources[model] = HFTokenSource(directory)
+            except Exception as err:  # a bad path or files: this model routes approximately
+                self.errors[model] = f"{type(err).__name__}: {err}"[:300]
+                log.error("tokenizer for model %s at %s did not load (%s); routing it approximately",
+                          model, directory, self.errors[model])
+        self.loaded = True
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.sources) or self.render is not None
+
+    def mode(self, model: str) -> Mode:
+        if model in self.sources:
+            return "in-process"
+        if self.render is not None:
+            return "render"
+        return "approximate"
+
+    async def token_ids(self, model: str, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """vLLM's prompt ids for this request, or None (route approximately). Never raises."""
+        source: TokenSource | None = self.sources.get(model) or self.render
+        if source is None:
+            return None
+        try:
+            ids = await source.prompt_ids(endpoint, body)
+        except Exception:  # a source is built not to raise; this keeps a bug from failing a request
+            log.exception("token source failed; routing approximately")
+            ids = None
+        counts = self.exact if ids is not None else self.fallback
+        counts[model] = counts.get(model, 0) + 1
+        return ids
+
+    def stats(self, models: list[str]) -> dict[str, Any]:
+        """Per model: the mode, and how many requests got exact ids or fell back."""
+        names = sorted(set(models) | set(self.sources) | set(self.errors) | set(self.exact) | set(self.fallback))
+        out: dict[str, Any] = {}
+        for model in names:
+            row: dict[str, Any] = {"mode": self.mode(model), "exact": self.exact.get(model, 0),
+                                   "fallback": self.fallback.get(model, 0)}
+            source = self.sources.get(model)
+            if isinstance(source, HFTokenSource):
+                row["tokenizer"] = source.tokenizer_dir
+            if model in self.errors:
+                row["error"] = self.errors[model]
+            out[model] = row
+        result: dict[str, Any] = {"models": out}
+        if self.render is not None:
+            result["render"] = self.render.stats()
+        return result
+
+    def degraded(self) -> list[str]:
+        """/readyz lines: what routes approximately that was meant to be exact."""
+        out = [] if self.loaded else ["tokenizers loading: routing approximately"]
+        out += [f"tokenizer for model {m}: did not load, routing approximately" for m in sorted(self.errors)]
+        if self.render is not None and not self.render.healthy:
+            out.append("render server unreachable: routing approximately")
+        return out
+
+    async def aclose(self) -> None:
+        for source in self.sources.values():
+            close = getattr(source, "close", None)
+            if callable(close):
+                close()
+        if self.render is not None:
+            await self.render.aclose()

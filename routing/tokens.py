@@ -1,0 +1,321 @@
+"""The token ids vLLM will prefill for a request, so routing can key on real tokens.
+
+A ``TokenSource`` answers ``prompt_ids(endpoint, body)`` for one served model:
+
+* ``HFTokenSource(dir)``: in process, with the model's Hugging Face tokenizer
+  directory and chat template (the files the replicas load). It follows vLLM's
+  own preprocessing (``vllm/entrypoints/chat_utils.py`` and the serving
+  classes): text parts of a message joined with newlines, tool-call arguments
+  given to the template as objects, the template rendered to text and then
+  tokenized with ``add_special_tokens`` False for chat and True for
+  completions, ``truncate_prompt_tokens`` keeping the tail. The parity tests
+  compare it with vLLM's render server (tests/test_tokens_parity.py).
+* ``RenderTokenSource(url)`` (``routing.render_tokens``): asks a vLLM render
+  server, for models whose preprocessing kvgate does not reproduce.
+
+``None`` means "no exact ids for this request" (a part kvgate cannot render, a
+template error, a request vLLM will reject): routing then falls back to its
+approximate keys for that request. A token source never raises into the
+request path and never turns a request into a client error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["TokenSource", "HFTokenSource", "INLINE_MAX_CHARS"]
+
+log = logging.getLogger("kvgate.routing")
+
+# Prompts up to this many characters are tokenized on the event loop; longer
+# ones in the tokenizer thread. A hop to a thread and back costs tens of
+# microseconds; below this size tokenizing costs about the same
+# (bench/tokenize.py), and above it the loop would be held for longer than the
+# hop costs.
+INLINE_MAX_CHARS = 2048
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    async def prompt_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """The ids vLLM will prefill for this request body, or None when they cannot be known."""
+        ...
+
+
+# Arguments the gateway passes itself; a request naming them in chat_template_kwargs
+# is one whose rendering vLLM decides differently (or rejects).
+_RESERVED_KWARGS = frozenset({"chat_template", "tokenize", "tools", "conversation", "messages",
+                              "add_generation_prompt", "continue_final_message", "documents", "return_dict"})
+
+
+class _Unrenderable(Exception):
+    """The request holds something this source cannot turn into vLLM's exact ids."""
+
+
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "thinking": "thinking",
+               "refusal": "refusal"}
+# Claude Code's attribution line: vLLM drops it from system text (it changes every request).
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _flatten_content(content: Any, role: str) -> str:
+    """A message's content as a string-format template sees it (vLLM: text parts joined by "\\n")."""
+    if content is None:
+        return ""
+    parts = [content] if isinstance(content, str) else content
+    if not isinstance(parts, list):
+        raise _Unrenderable("content")
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            text: Any = part
+        elif isinstance(part, dict) and part.get("type") in _TEXT_PARTS:
+            text = part.get(_TEXT_PARTS[part["type"]])
+            if text is None:
+                continue  # vLLM skips a text part without text
+            if not isinstance(text, str):
+                raise _Unrenderable("text part")
+        else:
+            # Images, audio, files: the replica's encoder output is not text we can tokenize.
+            raise _Unrenderable("non-text content part")
+        if role == "system" and text.startswith(_BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _arguments(value: Any) -> dict[str, Any]:
+    # vLLM hands templates the arguments as an object, not the JSON string the
+    # client sent; anything that is not a JSON object becomes {} (as vLLM does).
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and value:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return {}
+
+
+def _conversation(messages: Any) -> list[dict[str, Any]]:
+    """The messages as vLLM rebuilds them for the template (chat_utils.parse_chat_messages).
+
+    vLLM keeps only the fields it knows of each message, so an unknown field a
+    client sends changes nothing here either.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise _Unrenderable("messages")
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _Unrenderable("message")
+        role = message["role"]
+        m: dict[str, Any] = {"role": role, "content": _flatten_content(message.get("content"), role)}
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                fixed = []
+                for call in calls:
+                    if not isinstance(call, dict) or call.get("type", "function") != "function" \
+                            or not isinstance(call.get("function"), dict):
+                        raise _Unrenderable("tool call")  # vLLM answers 400
+                    fixed.append({**call, "function": {**call["function"],
+                                                       "arguments": _arguments(call["function"].get("arguments"))}})
+                m["tool_calls"] = fixed
+            elif calls is not None and not isinstance(calls, list):
+                m["tool_calls"] = calls
+            reasoning = message.get("reasoning")
+            if reasoning is not None:
+                m["reasoning"] = m["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in message:
+            m["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            m["name"] = message["name"]
+        if isinstance(message.get("task"), str):
+            m["task"] = message["task"]
+        if role == "developer":
+            m["tools"] = message.get("tools")
+        out.append(m)
+    return out
+
+
+def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's fallback for templates without a developer role: system messages, merged into one first."""
+    converted = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer"
+                 else m for m in conversation]
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return converted
+    merged = "\n\n".join(c for m in converted if m["role"] == "system" and (c := m.get("content")))
+    return [{"role": "system", "content": merged}, *(m for m in converted if m["role"] != "system")]
+
+
+def _keep_tail(ids: list[int], body: dict[str, Any]) -> list[int]:
+    """``truncate_prompt_tokens``: vLLM keeps the last k tokens (the first k with truncation_side right)."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return ids
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise _Unrenderable("truncate_prompt_tokens")  # -1 means the model's length: unknown here
+    if k >= len(ids):
+        return ids
+    return ids[:k] if body.get("truncation_side") == "right" else ids[-k:]
+
+
+class HFTokenSource:
+    """vLLM's prompt ids computed in process from a Hugging Face tokenizer directory."""
+
+    def __init__(self, tokenizer_dir: str | Path, *, inline_max_chars: int = INLINE_MAX_CHARS) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer_dir = str(tokenizer_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
+        self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None) or None
+        # vLLM turns developer messages into system ones for a template that does not name the role.
+        self.template_has_developer = bool(self.chat_template) and (
+            '"developer"' in str(self.chat_template) or "'developer'" in str(self.chat_template))
+        if self.chat_template is None:
+            log.warning("tokenizer %s has no chat template; chat requests route approximately", self.tokenizer_dir)
+        self.inline_max_chars = inline_max_chars
+        # One thread: a tokenizer is not safe to reconfigure from two threads at once,
+        # and one long prompt at a time is all the cores can spare from the proxy anyway.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-tokenize")
+        # The first call settles the tokenizer's truncation/padding state; doing it
+        # here means no two threads ever race to change it.
+        self.tokenizer("warm up", add_special_tokens=True)
+        self.failures = 0
+        self.offloaded = 0
+        self._truncating_tok: Any = None
+
+    async def prompt_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        size = _size(endpoint, body)
+        if size is None:
+            return None
+        try:
+            truncating = endpoint == "completions" and body.get("truncate_prompt_tokens") is not None
+            if size <= self.inline_max_chars and not truncating:
+                return self._ids(endpoint, body)
+            self.offloaded += 1
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self._ids, endpoint, body)
+        except _Unrenderable:
+            return None
+        except Exception:  # a template error or a body vLLM would reject: route approximately
+            self.failures += 1
+            log.debug("tokenization failed; routing approximately", exc_info=True)
+            return None
+
+    def ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """Synchronous ``prompt_ids`` (benchmarks, the simulator): same answer, on the calling thread."""
+        try:
+            return self._ids(endpoint, body)
+        except Exception:
+            return None
+
+    def _ids(self, endpoint: str, body: dict[str, Any]) -> list[int]:
+        if endpoint == "chat":
+            return _keep_tail(self._chat_ids(body), body)
+        if endpoint == "completions":
+            return _keep_tail(self._completion_ids(body), body)
+        raise _Unrenderable(endpoint)
+
+    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+        tok = self.tokenizer
+        template = self.chat_template
+        if template is None or body.get("chat_template") is not None:
+            # A request-supplied template is refused by vLLM unless the operator trusts it.
+            raise _Unrenderable("chat template")
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        continue_final = body.get("continue_final_message", False)
+        if add_generation_prompt and continue_final:
+            raise _Unrenderable("vLLM rejects add_generation_prompt with continue_final_message")
+        extra = body.get("chat_template_kwargs") or {}
+        if not isinstance(extra, dict) or _RESERVED_KWARGS & extra.keys():
+            raise _Unrenderable("chat_template_kwargs")
+        kwargs: dict[str, Any] = {**extra, "add_generation_prompt": bool(add_generation_prompt),
+                                  "continue_final_message": bool(continue_final)}
+        for name in ("documents", "reasoning_effort"):
+            if body.get(name) is not None:
+                kwargs[name] = body[name]
+        conversation = _conversation(body.get("messages"))
+        if not self.template_has_developer and any(m["role"] == "developer" for m in conversation):
+            conversation = _developer_as_system(conversation)
+        # As vLLM's renderer calls it (renderers/hf.py safe_apply_chat_template):
+        # tokenized by the template call itself, so no BOS is added a second time.
+        ids = tok.apply_chat_template(conversation, tools=body.get("tools") or None, tokenize=True,
+                                      return_dict=False, **kwargs)
+        return list(ids)
+
+    def _completion_ids(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        # A list of prompts is a batch: vLLM runs each as its own request; the
+        # gateway routes the batch as one, keyed on its first prompt.
+        if isinstance(prompt, list) and prompt and not _is_ids(prompt):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and _is_ids(prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise _Unrenderable("prompt")
+        special = bool(body.get("add_special_tokens", True))
+        k = body.get("truncate_prompt_tokens")
+        if _positive_int(k) and body.get("truncation_side") is None:
+            # vLLM truncates text in the tokenizer (left side), which keeps the special
+            # tokens and drops text: not the same as slicing the ids afterwards.
+            return list(self._truncating()(prompt, add_special_tokens=special, truncation=True,
+                                           max_length=k).input_ids)
+        return list(self.tokenizer(prompt, add_special_tokens=special).input_ids)
+
+    def _truncating(self) -> Any:
+        """A second instance for truncating calls, only ever used on the tokenizer thread:
+        truncation is tokenizer state, and changing it under a concurrent call on the
+        loop thread would break that call."""
+        if self._truncating_tok is None:
+            from transformers import AutoTokenizer
+
+            self._truncating_tok = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True,
+                                                                 truncation_side="left")
+        return self._truncating_tok
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _size(endpoint: str, body: dict[str, Any]) -> int | None:
+    """Roughly how many characters will be tokenized; None for endpoints without a prompt."""
+    if endpoint == "chat":
+        total = 0
+        for m in body.get("messages") or ():
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text", "")) for p in content if isinstance(p, dict)
+                             and isinstance(p.get("text"), str))
+        if body.get("tools"):
+            total += 200 * len(body["tools"])
+        return total
+    if endpoint == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            return len(prompt[0])
+        return 0
+    return None

