@@ -17,8 +17,14 @@ Cost and memory are bounded by design:
   last turn's whole prompt: the cost model charges every block it does not know
   of) and known to within 1/8 of its depth otherwise.
 * Entries map a chained block hash (or a routing key, which is the hash of
-  the exact prefix it names) to a bitmask of replica ids and live in one LRU
-  of ``capacity`` entries; hashes that stop being used age out.
+  the exact prefix it names) to a bitmask of replica ids and live in two
+  generations of ``capacity / 2`` entries (recording writes the young one;
+  when it is full the old one is dropped): hashes that stop being recorded age
+  out, as in an LRU. A prompt extending one recorded in this generation
+  records only its new blocks, so routing work grows with what is new in a
+  request, not with its length.
+* ``depths`` finds every replica's depth in one bisection: the masks along a
+  chain only lose bits, so only intervals whose ends differ are split.
 * A lookup is a binary search over the sampled positions (a prefix held by a
   replica is held all the way down, so presence is monotone along a chain),
   then one over the blocks up to the next sampled position: only recorded
@@ -29,9 +35,8 @@ Cost and memory are bounded by design:
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import OrderedDict
 from itertools import chain
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 __all__ = ["BlockIndex", "sampled_positions"]
 
@@ -47,56 +52,81 @@ def sampled_positions(max_blocks: int) -> tuple[int, ...]:
 
 
 class BlockIndex:
-    __slots__ = ("_entries", "_capacity", "_positions", "_tails")
+    __slots__ = ("_young", "_old", "_fresh", "_half", "_positions", "_tails")
 
     def __init__(self, capacity: int, max_blocks: int, tails: bool = False) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self._entries: OrderedDict[int, int] = OrderedDict()
-        self._capacity = capacity
+        # Two generations instead of one LRU: recording goes to the young one, and when it
+        # is full the old one is dropped. An entry not recorded for a whole generation ages
+        # out, as in an LRU, but a prompt's blocks need not each be touched on every request.
+        self._young: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+        # Blocks ``add`` recorded in the young generation (bitmask by replica): a chain
+        # recorded from its root through such a block needs no recording up to it.
+        self._fresh: dict[int, int] = {}
+        self._half = max(1, capacity // 2)
         self._positions = sampled_positions(max_blocks)
         # Record each prompt's tail too (exact depths for the cost model).
         self._tails = tails
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._young) + len(self._old)
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._young.clear()
+        self._old.clear()
+        self._fresh.clear()
 
     def _upto(self, n_blocks: int) -> int:
         return bisect_right(self._positions, n_blocks - 1)
 
-    def add(self, hashes: Sequence[int], bit: int) -> None:
-        """Record that replica ``bit`` holds every block of ``hashes``."""
+    def _mask(self, h: int) -> int:
+        m = self._young.get(h)
+        return self._old.get(h, 0) if m is None else m
+
+    def _age(self) -> None:
+        if len(self._young) >= self._half:
+            self._old, self._young = self._young, {}
+            self._fresh.clear()
+
+    def add(self, hashes: Sequence[int], bit: int, known: int = 0) -> None:
+        """Record that replica ``bit`` holds every block of ``hashes``.
+
+        ``known``: how many leading blocks a lookup just found ``bit`` holding. If ``add``
+        recorded them in this generation (the next turn of a conversation, another
+        question under the same system prompt), only the blocks past them are recorded:
+        the work is per new block, not per block of the prompt.
+        """
         flag = 1 << bit
-        entries = self._entries
-        sampled = self._positions[: self._upto(len(hashes))]
-        at: Iterable[int] = sampled
-        if sampled and self._tails:
-            at = chain(sampled, range(sampled[-1] + 1, len(hashes)))  # the tail: exact depth for the next turn
+        young, old, fresh = self._young, self._old, self._fresh
+        start = known if 0 < known <= len(hashes) and fresh.get(hashes[known - 1], 0) & flag else 0
+        n = len(hashes)
+        upto = self._upto(n)
+        positions = self._positions
+        at: Iterable[int] = positions[bisect_right(positions, start - 1):upto]
+        if upto and self._tails:
+            # The tail: exact depth for the next turn.
+            at = chain(at, range(max(start, positions[upto - 1] + 1), n))
         for p in at:
             h = hashes[p]
-            mask = entries.get(h)
-            if mask is None:
-                entries[h] = flag
-            else:
-                entries[h] = mask | flag
-                entries.move_to_end(h)
-        while len(entries) > self._capacity:
-            entries.popitem(last=False)
+            m = young.get(h)
+            if m is None:
+                m = old.pop(h, 0)
+            young[h] = m | flag
+            fresh[h] = fresh.get(h, 0) | flag
+        self._age()
 
     def add_key(self, key: int, bit: int) -> None:
         """Record that replica ``bit`` holds the prefix a routing key names (its exact cut)."""
-        entries = self._entries
-        entries[key] = entries.get(key, 0) | (1 << bit)
-        entries.move_to_end(key)
-        if len(entries) > self._capacity:
-            entries.popitem(last=False)
+        young = self._young
+        m = young.get(key)
+        young[key] = (self._old.pop(key, 0) if m is None else m) | (1 << bit)
+        self._age()
 
     def holders(self, key: int) -> int:
         """Bitmask of replicas believed to hold the prefix ``key`` names (no side effects)."""
-        return self._entries.get(key, 0)
+        return self._mask(key)
 
     def deepest(self, hashes: Sequence[int], among: int) -> tuple[int, int]:
         """(blocks matched, bitmask of replicas matching that deep) over replicas in ``among``.
@@ -104,13 +134,13 @@ class BlockIndex:
         Binary search for the last sampled position any of ``among`` holds; no
         side effects (a lookup does not refresh recency: only serving does).
         """
-        entries = self._entries
+        mask_of = self._mask
         positions = self._positions
         lo, hi = 0, self._upto(len(hashes))
         best_pos, best_mask = -1, 0
         while lo < hi:
             mid = (lo + hi) // 2
-            mask = entries.get(hashes[positions[mid]], 0) & among
+            mask = mask_of(hashes[positions[mid]]) & among
             if mask:
                 best_pos, best_mask = positions[mid], mask
                 lo = mid + 1
@@ -122,7 +152,7 @@ class BlockIndex:
         lo, hi = best_pos + 1, min(positions[lo] if lo < len(positions) else len(hashes), len(hashes))
         while lo < hi:
             mid = (lo + hi) // 2
-            mask = entries.get(hashes[mid], 0) & among
+            mask = mask_of(hashes[mid]) & among
             if mask:
                 best_pos, best_mask = mid, mask
                 lo = mid + 1
@@ -133,3 +163,60 @@ class BlockIndex:
     def depth_of(self, hashes: Sequence[int], bit: int) -> int:
         """Blocks of this chain that replica ``bit`` is believed to hold."""
         return self.deepest(hashes, 1 << bit)[0]
+
+    def depths(self, hashes: Sequence[int], among: int) -> dict[int, int]:
+        """``depth_of`` for every replica bit in ``among`` (those holding none left out), in one pass.
+
+        Presence is monotone along the sampled positions for each replica, so the
+        masks along them only lose bits: between two probes whose masks agree
+        nothing changes, and a prompt held alike by every replica costs one
+        binary search, not one per replica. The tails after each replica's last
+        sampled block are searched the same way, replicas that stop there together.
+        """
+        if among < 0:
+            raise ValueError("among must be a non-negative bitmask")
+        positions = self._positions
+        n = len(hashes)
+        out: dict[int, int] = {}
+        for i, bits in self._last_held(hashes, positions, 0, self._upto(n), among).items():
+            if i < 0:
+                continue
+            if not self._tails:
+                for b in _bits(bits):
+                    out[b] = positions[i] + 1
+                continue
+            gap = range(positions[i] + 1, min(positions[i + 1] if i + 1 < len(positions) else n, n))
+            for j, tail in self._last_held(hashes, gap, 0, len(gap), bits).items():
+                depth = gap[j] + 1 if j >= 0 else positions[i] + 1
+                for b in _bits(tail):
+                    out[b] = depth
+        return out
+
+    def _last_held(self, hashes: Sequence[int], at: Sequence[int], lo: int, hi: int, among: int) -> dict[int, int]:
+        """{i: the bits of ``among`` whose last held block among ``hashes[at[lo:hi]]`` is at[i]} (i = lo - 1: none).
+
+        Each bit is held on a prefix of ``at`` (monotone): bisect, but only where the
+        masks at the two ends of an interval differ.
+        """
+        mask_of = self._mask
+        out: dict[int, int] = {}
+        stack = [(lo, hi, among, 0)]  # at[lo:hi] unknown; ``above``: the mask before it, ``below``: after
+        while stack:
+            lo, hi, above, below = stack.pop()
+            if above == below:
+                continue
+            if lo >= hi:
+                out[lo - 1] = out.get(lo - 1, 0) | (above & ~below)
+                continue
+            mid = (lo + hi) // 2
+            m = mask_of(hashes[at[mid]]) & above
+            stack.append((lo, mid, above, m))
+            stack.append((mid + 1, hi, m, below))
+        return out
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low

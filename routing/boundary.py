@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from .hashing import Rendered, Span
 
-__all__ = ["explicit_cuts", "default_cap", "stable_cap", "candidate_cuts", "strip_cache_control",
+__all__ = ["explicit_cuts", "marker_ends", "default_cap", "stable_cap", "candidate_cuts", "strip_cache_control",
            "parse_boundary_hint"]
 
 # Anthropic allows four breakpoints; a few more leave room for markers and the header.
@@ -48,15 +48,25 @@ def _message_spans(rendered: Rendered) -> list[Span]:
     return [s for s in rendered.spans if s.role != "tools"]
 
 
-def explicit_cuts(rendered: Rendered, marker: str, hint: str | None) -> list[int]:
-    """Client-declared boundaries (marker ends, breakpoints, header), sorted, deduplicated."""
+def marker_ends(data: bytes, needle: bytes, start: int = 0) -> list[int]:
+    """Offsets just past each occurrence of ``needle`` in ``data`` from ``start`` (at most a few)."""
+    out: list[int] = []
+    if not needle:
+        return out
+    at = data.find(needle, start)
+    while at >= 0 and len(out) < _MAX_EXPLICIT * 2:
+        out.append(at + len(needle))
+        at = data.find(needle, at + len(needle))
+    return out
+
+
+def explicit_cuts(rendered: Rendered, marker: str, hint: str | None, ends: Sequence[int] | None = None) -> list[int]:
+    """Client-declared boundaries (marker ends, breakpoints, header), sorted, deduplicated.
+
+    ``ends``: the marker's ends in the stream when already known (``marker_ends``)."""
     cuts: set[int] = set(rendered.breakpoints)
     if marker:
-        needle = marker.encode("utf-8", "surrogatepass")
-        at = rendered.data.find(needle)
-        while at >= 0 and len(cuts) < _MAX_EXPLICIT * 2:
-            cuts.add(at + len(needle))
-            at = rendered.data.find(needle, at + len(needle))
+        cuts.update(marker_ends(rendered.data, marker.encode("utf-8", "surrogatepass")) if ends is None else ends)
     n = parse_boundary_hint(hint)
     if n is not None:
         messages = _message_spans(rendered)

@@ -16,17 +16,22 @@ request, at most two chains stored per miss.
 A digest match is taken as a byte match: xxh3-128 collisions are out of reach
 of accident, and a crafted one could only misroute, never cross a tenant (the
 seed, the tenant's namespace, is part of the key). Memory is bounded: an LRU
-holding at most ``capacity`` block hashes in all, 8 bytes each.
+holding at most ``capacity`` block hashes in all, kept as lists (about 40 bytes
+a hash) because a hit then copies pointers rather than making 400 integers.
+
+The same holds for the boundary marker (``routing.boundary.marker_ends``):
+where it occurs inside a stored prefix is stored with it, and a request
+searches for it only past that prefix.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from typing import Sequence
 
 import xxhash
 
+from .boundary import marker_ends
 from .hashing import Span, chain_hashes
 
 __all__ = ["ChainCache"]
@@ -39,8 +44,9 @@ _MIN_BLOCKS = 8
 class ChainCache:
     __slots__ = ("_entries", "_capacity", "_held", "calls", "hits", "misses")
 
-    def __init__(self, capacity: int = 1 << 20) -> None:
-        self._entries: OrderedDict[tuple[int, int, int], array] = OrderedDict()
+    def __init__(self, capacity: int = 1 << 18) -> None:
+        # (seed, blocks, digest) -> (the prefix's block hashes, the marker's ends inside it)
+        self._entries: OrderedDict[tuple[int, int, int], tuple[list[int], tuple[int, ...]]] = OrderedDict()
         self._capacity = capacity
         self._held = 0
         # Chains asked for (one per request analysed), and how many a stored prefix served.
@@ -53,32 +59,47 @@ class ChainCache:
 
     def chain(self, data: bytes, seed: int, block: int, max_blocks: int, spans: Sequence[Span]) -> list[int]:
         """``chain_hashes(data, seed, block, max_blocks)``, reusing a known prefix's chain."""
+        return self.analyse(data, seed, block, max_blocks, spans, b"")[0]
+
+    def analyse(self, data: bytes, seed: int, block: int, max_blocks: int, spans: Sequence[Span],
+                marker: bytes) -> tuple[list[int], list[int]]:
+        """(``chain_hashes(...)``, ``boundary.marker_ends(data, marker)``), reusing what a known prefix had.
+
+        Both are per prefix: the chain of a stored prefix is continued, and the marker
+        is searched for only past it.
+        """
         self.calls += 1
         n = min(len(data) // block, max_blocks)
         ends = sorted({min(e // block, n) for e in _boundaries(spans)}, reverse=True)
         ends = [e for e in ends if e >= _MIN_BLOCKS]
         if not ends:
-            return chain_hashes(data, seed, block, max_blocks)
-        keys = [(seed, e, _digest(data[: e * block])) for e in ends]
+            return chain_hashes(data, seed, block, max_blocks), marker_ends(data, marker)
+        view = memoryview(data)
+        keys = [(seed, e, _digest(view[: e * block])) for e in ends]
         known = next(((k, got) for k in keys if (got := self._entries.get(k)) is not None), None)
         if known is None:
             self.misses += 1
             out = chain_hashes(data, seed, block, max_blocks)
+            found = marker_ends(data, marker)
         else:
             self.hits += 1
-            self._entries.move_to_end(known[0])
-            out = known[1].tolist()
-            out.extend(chain_hashes(data, out[-1], block, max_blocks, start=len(out)))
+            key, (prefix, inside) = known
+            self._entries.move_to_end(key)
+            out = prefix + chain_hashes(data, prefix[-1], block, max_blocks, start=len(prefix))
+            # A marker may straddle the prefix's end: search from one marker's length before it.
+            found = list(inside) + marker_ends(data, marker, max(0, key[1] * block - len(marker) + 1))
         for k in keys:
             if k not in self._entries:
-                self._store(k, out[: k[1]])
-        return out
+                end = k[1] * block
+                self._store(k, out[: k[1]], tuple(e for e in found if e <= end))
+        return out, found
 
-    def _store(self, key: tuple[int, int, int], hashes: list[int]) -> None:
-        self._entries[key] = array("Q", hashes)
+    def _store(self, key: tuple[int, int, int], hashes: list[int], markers: tuple[int, ...]) -> None:
+        # A stored chain is shared by every request that reuses it: never mutated.
+        self._entries[key] = (hashes, markers)
         self._held += len(hashes)
         while self._held > self._capacity and self._entries:
-            _, gone = self._entries.popitem(last=False)
+            _, (gone, _) = self._entries.popitem(last=False)
             self._held -= len(gone)
 
 

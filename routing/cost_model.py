@@ -8,7 +8,7 @@ For every request the policy asks each eligible replica one question: how many
 prompt tokens would this request wait behind there, and add? (NVIDIA Dynamo's
 KV router asks the same.)
 
-    cost(r) = queued(r) + uncached(r) + in_flight(r) x (uncached(r) - min uncached)
+    cost(r) = queued(r) + uncached(r) + in_flight(r) x (uncached(r) - min uncached + typical)
                                                   in prompt tokens
 
 * ``uncached(r)``: the request's prompt minus what ``r`` is believed to hold of
@@ -19,11 +19,21 @@ KV router asks the same.)
   ``r`` has not prefilled yet (``routing.backlog``), plus the requests ``r``
   reports waiting for other clients, each weighed as an average request of
   ours (their prompts are not known here; their traffic is assumed alike).
-* the last term prices the prefill a replica does only because the request did
-  not go where it is warmest: every request in flight there waits for, or
-  decodes around, that extra prefill (Little's law: they are the requests the
-  extra work delays). On an idle replica moving is nearly free; on a busy one
-  it must buy its way with a queue that much shorter.
+* the last term has two parts, both per request in flight at ``r``. The first
+  prices the prefill a replica does only because the request did not go where
+  it is warmest: every request in flight there waits for, or decodes around,
+  that extra prefill (Little's law: they are the requests the extra work
+  delays). The second is the decode load (Dynamo's ``decode_blocks``): each
+  request in flight there is one the new one decodes beside, weighed as
+  ``typical``, the prefill work of an average request of ours, the same unit
+  that weighs other clients' waiting requests (one unit of load, whatever
+  phase it is in). Queued prefill alone cannot see it: a replica whose
+  prefills are done looks empty while it decodes for a dozen conversations,
+  and new conversations filled exactly those replicas, whose follow-ups the
+  bound then refused. With it a new conversation goes where fewer are
+  decoding, keeping room at busy replicas for the turns of the conversations
+  they hold. Where most of each prompt is warm (organisations' shared
+  layers), ``typical`` is small and the term barely moves anything.
 
 **The bound** (consistent hashing with bounded loads, Mirrokni, Thorup and
 Zadimoghaddam): a replica takes the request only if its in-flight count stays
@@ -159,9 +169,11 @@ class CostModel:
         return out
 
     # -- internals ---------------------------------------------------------------------
-    def _hold(self, info: PrefixInfo, route: RouteKey, bit: int) -> None:
-        """Record that replica ``bit`` holds (or is about to hold) the request's prompt."""
-        self.index.add(info.hashes, bit)
+    def _hold(self, info: PrefixInfo, route: RouteKey, bit: int, known: int = 0) -> None:
+        """Record that replica ``bit`` holds (or is about to hold) the request's prompt.
+
+        ``known``: the blocks of it the index was just found to hold there."""
+        self.index.add(info.hashes, bit, known)
         self.index.add_key(route.key, bit)
 
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
@@ -177,7 +189,9 @@ class CostModel:
         keys = self._keys(request)
         precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
         work = self._work(info, route, order, precise, request)
-        costs = [ahead + uncached for ahead, uncached in work]
+        # Decode load: every request in flight weighs a typical request of ours (module doc).
+        typical = self._typical(info, request)
+        costs = [ahead + uncached + load * typical for (ahead, uncached), load in zip(work, now)]
         # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
         inside = sorted((i for i in range(len(order)) if fits[i]), key=lambda i: (costs[i], work[i][1], i))
         over = sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
@@ -191,6 +205,13 @@ class CostModel:
                 new = precise.get(chosen.name, 0.0) < len(keys)
                 request.scratch[_PENDING] = self.truth.sent(chosen.name, keys, new)
         return [order[i] for i in picks]
+
+    def _typical(self, info: PrefixInfo, request: RouteRequest) -> float:
+        """The prefill a request of this instance brings, on average (before any: this one's prompt)."""
+        if self.decisions:
+            return self._work_sum / self.decisions
+        prompt, tokens = len(info.rendered.data), request.token_ids
+        return float(len(tokens)) if tokens and prompt else prompt / CHARS_PER_TOKEN
 
     def _keys(self, request: RouteRequest) -> list[int]:
         """The request's token-block keys, once per request; empty without token ids or truth."""
@@ -214,7 +235,7 @@ class CostModel:
         # index's share of the prompt is scaled to them.
         scale = len(tokens) / prompt if tokens and prompt else 1.0 / CHARS_PER_TOKEN
         block = self.truth.block_size if self.truth is not None else 0
-        typical = self._work_sum / self.decisions if self.decisions else prompt * scale
+        typical = self._typical(info, request)
         # Replicas known to hold the key hold its prefix (another instance may have said
         # so, without the blocks); if none is, the home is presumed to (module doc).
         holders = self.index.holders(route.key)
@@ -223,6 +244,7 @@ class CostModel:
         presumed = 0.0 if holders else context * _others_share(order)
         fleet_holds = any(precise.values())
         ahead, uncached = [], []
+        depths = self.index.depths(info.hashes, (1 << len(self.bits)) - 1) if info.hashes else {}
         for i, r in enumerate(order):
             ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical)
             if r.name in precise and tokens:
@@ -235,7 +257,7 @@ class CostModel:
                 uncached.append(max(0.0, len(tokens) - held_tokens))
                 continue
             bit = self.bits.get(r.name)
-            held = float(self.index.depth_of(info.hashes, bit) * info.block) if bit is not None and info.hashes else 0.0
+            held = float(depths.get(bit, 0) * info.block) if bit is not None else 0.0
             if bit is not None and holders >> bit & 1:
                 held = max(held, float(route.cut))
             elif i == 0:
@@ -260,7 +282,7 @@ class CostModel:
             if self.gossip is not None and not self.index.holders(route.key):
                 self.gossip.note(PLACED, route.key, chosen.name)  # the others presume it is home
         if info.hashes:
-            self._hold(info, route, bit)
+            self._hold(info, route, bit, self.index.depth_of(info.hashes, bit))
             request.scratch[_SENT] = chosen.name
 
 

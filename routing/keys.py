@@ -96,18 +96,29 @@ def analyse(request: RouteRequest, settings: RoutingSettings, chains: ChainCache
     block = settings.block_chars
     if chains is None:
         hashes = chain_hashes(rendered.data, seed, block, settings.max_blocks)
+        ends = None
     else:
-        hashes = chains.chain(rendered.data, seed, block, settings.max_blocks, rendered.spans)
+        marker = settings.boundary_marker.encode("utf-8", "surrogatepass")
+        hashes, ends = chains.analyse(rendered.data, seed, block, settings.max_blocks, rendered.spans, marker)
     limit = len(rendered.data) if len(rendered.data) // block <= len(hashes) else len(hashes) * block
-    explicit = explicit_cuts(rendered, settings.boundary_marker, request.boundary_hint)
+    explicit = explicit_cuts(rendered, settings.boundary_marker, request.boundary_hint, ends)
     info = PrefixInfo(rendered, seed, hashes, explicit, limit, block)
     request.scratch[_SCRATCH_INFO] = (tag, info)
     return info
 
 
-def _prefix_id(data: bytes, end: int, seed: int) -> int:
-    """An identity for ``data[:end]``, however long (one xxh3 pass, past ``max_blocks`` too)."""
-    return _xxh(memoryview(data)[:end], seed ^ _PREFIX_ID_SALT)
+def _prefix_id(info: PrefixInfo, end: int) -> int:
+    """An identity for ``data[:end]``, however long, apart from the keys (its own salt).
+
+    Within the hashed blocks the chain already names the prefix: its hash at the
+    last full block, continued over the partial one, costs one short xxh3 instead
+    of a pass over the whole prefix. Past ``max_blocks``, one pass over the bytes.
+    """
+    data = info.rendered.data
+    if end // info.block <= len(info.hashes):
+        name = cut_hash(data, info.hashes, info.seed, info.block, end)
+        return _xxh(name.to_bytes(8, "little"), _PREFIX_ID_SALT)
+    return _xxh(memoryview(data)[:end], info.seed ^ _PREFIX_ID_SALT)
 
 
 def _context_ends(rendered: Rendered, explicit: list[int], cut: int) -> tuple[int | None, int]:
@@ -159,9 +170,9 @@ class PrefixKeyer:
             shares = self.popularity.shares(keys, window)
             i = next((j for j, share in enumerate(shares) if share <= wide_share), len(keys) - 1)
             end, cap = _context_ends(info.rendered, info.explicit, cuts[i])
-            context = keys[i] if end is None else _prefix_id(data, end, seed)
+            context = keys[i] if end is None else _prefix_id(info, end)
             # A later turn's context is its cap: hashed once.
-            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == cap else _prefix_id(data, cap, seed))
+            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == cap else _prefix_id(info, cap))
         if learn:
             # Every cut is counted, not only the walked ones: a deeper prefix's share
             # must be known from the start, or it would lag behind its parent's.

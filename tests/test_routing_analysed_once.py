@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from routing.boundary import marker_ends
 from routing.chains import ChainCache
 from routing.hashing import chain_hashes, render
 from tests.support.stack import start_stack
@@ -44,3 +45,21 @@ def test_a_stored_prefix_gives_the_same_chain_as_hashing_afresh() -> None:
         for seed in (1, 2):  # another tenant's seed never reuses the first's chain
             assert cache.chain(r.data, seed, 64, 2048, r.spans) == chain_hashes(r.data, seed, 64, 2048)
     assert cache.hits > 0
+
+
+def test_markers_inside_a_stored_prefix_are_found_as_if_searched_afresh() -> None:
+    marker = "<!-- kvgate:cache-boundary -->"
+    cache = ChainCache(capacity=10_000)
+    system = f"Org policies. {marker} " + "Handbook text. " * 80
+    for turn in range(1, 5):
+        msgs = [{"role": "system", "content": system}]
+        for k in range(turn):
+            # A marker at the very end of a message: it ends where the stored context does.
+            msgs += [{"role": "user", "content": f"q{k} " * 30 + marker},
+                     {"role": "assistant", "content": f"a{k} " * 30}]
+        msgs.append({"role": "user", "content": f"now {marker} what?"})
+        r = render("chat", {"messages": msgs})
+        hashes, ends = cache.analyse(r.data, 1, 64, 2048, r.spans, marker.encode())
+        assert hashes == chain_hashes(r.data, 1, 64, 2048)
+        assert ends == marker_ends(r.data, marker.encode()) and len(ends) == turn + 2
+    assert cache.hits == 3

@@ -160,3 +160,26 @@ def test_equal_costs_fall_to_the_rendezvous_order() -> None:
     request = one_off(3, 2000)
     key = policy.keyer.key_for(request, len(replicas), learn=False).key
     assert [r.name for r in policy.peek(request, replicas)] == [r.name for r in rendezvous_order(key, replicas)]
+
+
+def test_a_new_conversation_goes_where_fewer_are_decoding_and_a_warm_turn_stays_unless_home_is_much_busier() -> None:
+    # Every prefill is done (nothing queued anywhere); the replicas differ only in how
+    # many requests they are decoding. Queued prefill alone would call them all empty.
+    clock = Clock()
+    policy, replicas = PrefixAffinity(RoutingSettings(prefill_tokens_per_s=1000.0), clock), fleet(4)
+    for k, r in enumerate(replicas):
+        r.in_flight = 3 if k else 1
+    for i in range(6):
+        clock.t += 100.0  # the last one's prefill is done too
+        assert policy.prefer(one_off(100 + i, 2000), replicas)[0] is replicas[0]
+    # A twin's next turn at a warm home with one more in flight than elsewhere stays ...
+    for r in replicas:
+        r.in_flight = 2
+    home = served(policy, twin(3, 1), replicas)
+    clock.t += 100.0
+    home.in_flight = 3
+    assert policy.prefer(twin(3, 2), replicas)[0] is home
+    # ... and leaves for an idle replica when home is decoding for four (still within the bound).
+    others = [r for r in replicas if r is not home]
+    home.in_flight, others[0].in_flight, others[1].in_flight, others[2].in_flight = 4, 0, 4, 4
+    assert policy.prefer(twin(3, 3), replicas)[0] is others[0]
