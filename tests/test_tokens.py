@@ -222,3 +222,26 @@ def test_unconfigured_models_route_approximately() -> None:
         assert routing["tokenization"]["models"][MODEL]["mode"] == "approximate"
     finally:
         stack.close()
+
+
+def test_simulator_process_with_tokenizer_dir_agrees_with_the_gateway(tokdir: Path, source: HFTokenSource) -> None:
+    """``python -m vllm_sim --tokenizer DIR`` prefills the ids the gateway computes for the same request."""
+    from vllm_sim.process import start_sim_process
+
+    port = free_port()
+    proc = start_sim_process(port, model=MODEL, tokenizer=str(tokdir), startup_timeout=120)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        chat = {"messages": [{"role": "system", "content": "Réponds brièvement."},
+                             {"role": "user", "content": "Qu'est-ce qu'un préfixe ?"}]}
+        got = httpx.post(url + "/tokenize", json=chat, timeout=30).json()["tokens"]
+        assert got == ids(source, "chat", chat)
+        assert got[0] == 30522  # <|im_start|>: the real tokenizer, not the stand-in's crc32 ids
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, **chat}, timeout=30)
+        assert r.json()["usage"]["prompt_tokens"] == len(got)
+        # Completions text gets the BOS, as vLLM adds it.
+        plain = httpx.post(url + "/tokenize", json={"prompt": "hello"}, timeout=30).json()["tokens"]
+        assert plain == [101, 7592]
+    finally:
+        proc.kill()
+        proc.wait(5)

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for the fault dice")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="Hugging Face tokenizer directory with a chat template: tokenize as vLLM would "
+                             "(default: the built-in stand-in)")
     parser.add_argument("--log-level", default="warning")
 
     timing = parser.add_argument_group("timing")
@@ -72,6 +75,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]),
         num_gpu_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
         timing=timing, embedding_dim=args.embedding_dim, faults=faults, name=args.name, seed=args.seed,
+        tokenizer=args.tokenizer,
     )
 
 

@@ -109,7 +109,7 @@ class GenerationEndpoint:
         """Validate and tokenize; raises ``ApiError`` with vLLM's status and wording."""
         config, engine = self.replica.config, self.replica.engine
         params = parse_generation(self.kind, parse_json(raw), config)
-        tokens = await prompt_tokens(params)
+        tokens = await prompt_tokens(params, self.replica.prompts)
         max_tokens = resolve_max_tokens(params, len(tokens), config)
         try:
             engine.check_prompt(len(tokens))

@@ -13,6 +13,7 @@ from typing import Any
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import Engine
 from vllm_sim.faults import Faults, Verdict, decide
+from vllm_sim.hf_tokenizer import HFPrompts
 from vllm_sim.kv import KVPool
 from vllm_sim.stats import EngineStats
 
@@ -24,6 +25,8 @@ class Replica:
         self.config = config
         self.pool = KVPool(config.num_gpu_blocks, config.block_size)
         self.engine = Engine(self.pool, config.timing)
+        # The real tokenizer when configured (seconds to load: once, here), else the stand-in.
+        self.prompts: HFPrompts | None = HFPrompts(config.tokenizer) if config.tokenizer else None
         # A copy: run-time changes (POST /sim/faults) must not write back into the caller's config.
         self.faults: Faults = replace(config.faults)
         self.rng = random.Random(config.seed)

@@ -32,7 +32,7 @@ from vllm_sim.embeddings import embeddings_response
 from vllm_sim.faults import Faults, fault_reply
 from vllm_sim.handlers import GenerationEndpoint
 from vllm_sim.metrics import CONTENT_TYPE, render_metrics
-from vllm_sim.protocol import parse_json
+from vllm_sim.protocol import parse_generation, parse_json, prompt_tokens
 from vllm_sim.replica import Replica
 from vllm_sim.wire import ApiError, error_body
 
@@ -109,6 +109,18 @@ def _routes(replica: Replica) -> list[Route]:
         replica.reset()
         return _json(replica.stats())
 
+    async def tokenize(request: Request) -> Response:
+        # vLLM's /tokenize: {"prompt": ...} or {"messages": ...}; the ids a generation
+        # request with the same fields would prefill.
+        try:
+            payload = parse_json(await request.body())
+            params = parse_generation("chat" if "messages" in payload else "completions", payload, config)
+            tokens = await prompt_tokens(params, replica.prompts)
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        return _json({"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens,
+                      "token_strs": None})
+
     async def version(request: Request) -> Response:
         return _json({"version": "vllm_sim"})
 
@@ -119,6 +131,7 @@ def _routes(replica: Replica) -> list[Route]:
         Route("/v1/chat/completions", GenerationEndpoint(replica, "chat"), methods=["POST"]),
         Route("/v1/completions", GenerationEndpoint(replica, "completions"), methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sim/faults", get_faults, methods=["GET"]),
         Route("/sim/faults", set_faults, methods=["POST"]),
