@@ -28,11 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=d.num_gpu_blocks, help="KV cache size in blocks")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    parser.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed for the fault dice")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="Hugging Face tokenizer directory with a chat template: tokenize as vLLM would "
                              "(default: the built-in stand-in)")
+    parser.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed for the fault dice")
     parser.add_argument("--log-level", default="warning")
 
     timing = parser.add_argument_group("timing")
@@ -72,10 +72,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         garbage=args.garbage, html_200=args.html_200, unhealthy=args.unhealthy,
     )
     return SimConfig(
-        host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]),
+        host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]), tokenizer=args.tokenizer,
         num_gpu_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
         timing=timing, embedding_dim=args.embedding_dim, faults=faults, name=args.name, seed=args.seed,
-        tokenizer=args.tokenizer,
     )
 
 

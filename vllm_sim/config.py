@@ -22,15 +22,15 @@ class SimConfig:
     max_model_len: int = 32768
     timing: TimingModel = field(default_factory=TimingModel)
     embedding_dim: int = 64
+    # A Hugging Face tokenizer directory (vllm_sim.tokenizer_dir builds one): prompts are
+    # rendered and tokenized as vLLM would (vllm_sim.hf_tokenizer) instead of by the
+    # built-in stand-in. vLLM's own flag is --tokenizer too.
+    tokenizer: str | None = None
     faults: Faults = field(default_factory=Faults)
     # Reported in the ``x-sim-replica`` header of every response.
     name: str = "sim"
     # Seeds the fault dice so a faulty run can be replayed.
     seed: int = 0
-    # A Hugging Face tokenizer directory (vllm_sim.tokenizer_dir builds one): prompts are
-    # rendered and tokenized as vLLM would (vllm_sim.hf_tokenizer) instead of by the
-    # built-in stand-in. vLLM's own flag is --tokenizer too.
-    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.block_size < 1:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import Engine
 from vllm_sim.faults import Faults, Verdict, decide
-from vllm_sim.hf_tokenizer import HFPrompts
 from vllm_sim.kv import KVPool
 from vllm_sim.stats import EngineStats
 
 __all__ = ["Replica"]
+
+if TYPE_CHECKING:
+    from vllm_sim.hf_tokenizer import HFPrompts
 
 
 class Replica:
@@ -25,8 +27,6 @@ class Replica:
         self.config = config
         self.pool = KVPool(config.num_gpu_blocks, config.block_size)
         self.engine = Engine(self.pool, config.timing)
-        # The real tokenizer when configured (seconds to load: once, here), else the stand-in.
-        self.prompts: HFPrompts | None = HFPrompts(config.tokenizer) if config.tokenizer else None
         # A copy: run-time changes (POST /sim/faults) must not write back into the caller's config.
         self.faults: Faults = replace(config.faults)
         self.rng = random.Random(config.seed)
@@ -34,6 +34,12 @@ class Replica:
         # what a test counts to check that a gateway retried, or never forwarded.
         self.http_requests = 0
         self.faulted: dict[str, int] = {}
+        # The real tokenizer when configured (seconds to load: once, here), else the stand-in.
+        self.prompts: HFPrompts | None = None
+        if config.tokenizer:
+            from vllm_sim.hf_tokenizer import HFPrompts
+
+            self.prompts = HFPrompts(config.tokenizer)
 
     def roll_faults(self) -> tuple[Faults, Verdict]:
         """Count an API request and decide its whole-response fault, with the faults in force now.
