@@ -81,7 +81,8 @@ def _demo(args: argparse.Namespace) -> int:
     from .serve import run
 
     return run(run_demo(port=args.port, replicas=args.replicas, time_scale=args.time_scale,
-                        semantic_cache=not args.no_semantic_cache, admin_port=args.admin_port))
+                        semantic_cache=not args.no_semantic_cache, admin_port=args.admin_port,
+                        precise=args.precise))
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--replicas", type=int, default=3)
     demo.add_argument("--time-scale", type=float, default=0.2, help="simulated GPU time x this factor")
     demo.add_argument("--no-semantic-cache", action="store_true")
+    demo.add_argument("--precise", action="store_true",
+                      help="replicas and kvgate tokenize with a real tokenizer (built from the MiniLM package)")
     demo.set_defaults(func=_demo)
     sim = sub.add_parser("sim", help="one simulated vLLM replica")
     from vllm_sim.cli import add_arguments

@@ -90,23 +90,39 @@ def _banner(port: int, admin_port: int | None, replicas: list[tuple[str, int]], 
     return "\n".join(lines)
 
 
+def demo_tokenizer_dir() -> str:
+    """The precise demo's tokenizer directory, built from the MiniLM package (same bytes every time)."""
+    import tempfile
+    from pathlib import Path
+
+    from vllm_sim.tokenizer_dir import build_tokenizer_dir
+
+    return str(build_tokenizer_dir(Path(tempfile.gettempdir()) / "kvgate-demo-tokenizer"))
+
+
 async def run_demo(port: int = PUBLIC_PORT, replicas: int = 3, time_scale: float = 0.2,
-                   semantic_cache: bool = True, admin_port: int = ADMIN_PORT) -> int:
+                   semantic_cache: bool = True, admin_port: int = ADMIN_PORT, precise: bool = False) -> int:
     logs.configure("warning")
     notes: list[str] = []
+    # Precise: replicas and gateway tokenize with one real tokenizer and chat template,
+    # so the ids kvgate routes on are the ids the replicas prefill.
+    tokenizer = demo_tokenizer_dir() if precise else None
+    if tokenizer:
+        notes.append(f"precise mode: replicas and kvgate tokenize with {tokenizer}")
     port = pick_port(port, "kvgate", notes)
     admin_port = pick_port(admin_port, "admin and status page", notes)
     sims: list[tuple[str, int]] = [(f"sim-{i + 1}", _free_port()) for i in range(replicas)]
     servers: list[Any] = []
     for name, sim_port in sims:
         cfg = SimConfig(port=sim_port, model=MODEL, name=name, num_gpu_blocks=4096,
-                        timing=TimingModel(time_scale=time_scale))
+                        timing=TimingModel(time_scale=time_scale), tokenizer=tokenizer)
         servers.append(make_server(build_sim(cfg), "127.0.0.1", sim_port))
     settings = load_settings(overrides={
         "listen": {"host": "127.0.0.1", "port": port},
         "admin": {"host": "127.0.0.1", "port": admin_port, "token": ADMIN_TOKEN},
         "replicas": [{"name": n, "url": f"http://127.0.0.1:{p}", "models": [MODEL]} for n, p in sims],
         "semantic_cache": {"enabled": semantic_cache},
+        "routing": {"tokenizers": {MODEL: tokenizer} if tokenizer else {}},
     })
     app = build_app(settings)
     gateway = make_server(app, settings.listen.host, port)

@@ -245,3 +245,53 @@ def test_simulator_process_with_tokenizer_dir_agrees_with_the_gateway(tokdir: Pa
     finally:
         proc.kill()
         proc.wait(5)
+
+
+def test_precise_demo_tokenizes_replicas_and_gateway_alike(tmp_path: Path) -> None:
+    """``kvgate demo --precise``: one tokenizer directory for the replicas and the gateway."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    from tests.support.procs import ROOT
+
+    port, admin_port = free_port(), free_port()
+    log = tmp_path / "demo.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "demo", "--precise", "--no-semantic-cache",
+                                 "--replicas", "2", "--time-scale", "0", "--port", str(port),
+                                 "--admin-port", str(admin_port)],
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180  # three tokenizer loads; transformers imports torch
+        while True:
+            try:
+                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        banner = log.read_text()
+        directory = re.search(r"precise mode: replicas and kvgate tokenize with (\S+)", banner)
+        assert directory, banner
+        r = httpx.post(base + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]})
+        assert r.status_code == 200, r.text
+        expected = HFTokenSource(directory.group(1)).ids(
+            "chat", {"messages": [{"role": "user", "content": "hello there"}]})
+        assert expected is not None
+        assert r.json()["usage"]["prompt_tokens"] == len(expected)
+        routing = httpx.get(f"http://127.0.0.1:{admin_port}/admin/routing", timeout=5,
+                            headers={"authorization": "Bearer demo-admin-token"}).json()
+        assert routing["tokenization"]["models"][MODEL]["mode"] == "in-process"
+        assert routing["tokenization"]["models"][MODEL]["exact"] == 1
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
