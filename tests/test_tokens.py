@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from routing.render_tokens import RenderTokenSource
 from routing.tokens import HFTokenSource
@@ -295,3 +297,52 @@ def test_precise_demo_tokenizes_replicas_and_gateway_alike(tmp_path: Path) -> No
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_the_segment_cache_gives_the_ids_of_a_whole_tokenization(source: HFTokenSource) -> None:
+    """A second request with the same long system prompt reuses its ids, and the ids are unchanged."""
+    from bench.overhead import system_prompt
+
+    assert source.cache is not None, "the ChatML WordPiece tokenizer splits independently at added tokens"
+    system = system_prompt(1500)
+    bodies = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}],
+               "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}] if i else None}
+              for i in range(3)]
+    hits = source.cache.hits
+    for body in bodies:
+        assert ids(source, "chat", body) == source._chat_ids(body)
+    assert source.cache.hits > hits
+
+
+_chars = st.characters(blacklist_categories=("Cs",))
+_content = st.one_of(st.text(_chars, max_size=40), st.text(_chars, min_size=500, max_size=900),
+                     st.sampled_from(["<|im_end|>", "a<|im_start|>b", " <|im_end|>\n", "[CLS] x [SEP]"]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                "content": _content}), min_size=1, max_size=6))
+def test_cached_and_whole_tokenization_agree(source: HFTokenSource, messages: list[dict[str, Any]]) -> None:
+    body = {"messages": messages}
+    first = ids(source, "chat", body)
+    assert first == source._chat_ids(body)
+    assert ids(source, "chat", body) == first  # the second time from the cache
+
+
+def test_a_tokenizer_whose_pieces_depend_on_position_gets_no_cache(source: HFTokenSource) -> None:
+    """The probe refuses cut points when ids after a cut would differ from the whole text's."""
+    from routing.token_cache import SegmentCache, cut_points
+
+    base = source._encode
+    assert cut_points(source.tokenizer, base) is not None
+    # A tokenizer that marks the start of every call (a BOS it adds whatever it is told,
+    # as some do): cutting would put that mark in the middle of the prompt.
+    assert cut_points(source.tokenizer, lambda text: [101, *base(text)]) is None
+    # The cache is bounded by the tokens it holds, least recently used out first.
+    cache = SegmentCache(capacity_tokens=10)
+    cache.put(b"a", [1] * 6)
+    cache.put(b"b", [2] * 4)
+    assert cache.get(b"a") is not None  # a is now the most recent
+    cache.put(b"c", [3] * 4)
+    assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.get(b"c") is not None
+    assert cache.stats()["tokens"] <= 10
