@@ -11,8 +11,12 @@ Each request is a chat: a support assistant's system prompt (bench.overhead's
 prose) sized to the row's token count, one of ``--requests`` distinct user turns,
 so every request is a new body, as in production. Rows:
 
-* ``in-process``: ``HFTokenSource.prompt_ids`` awaited on an event loop, exactly
-  as the gateway calls it (the thread hop included above INLINE_MAX_CHARS);
+* ``in-process, shared``: ``HFTokenSource.prompt_ids`` awaited on an event loop,
+  exactly as the gateway calls it (the thread hop included where it applies),
+  every request with the same system prompt (its ids come from the segment
+  cache after the first);
+* ``in-process, new``: the same with a system prompt never seen before on each
+  request (every segment tokenized: the cache's worst case);
 * ``render server``: ``RenderTokenSource.prompt_ids`` against ``vllm launch
   render`` on loopback, one shared client (the gateway's path), sequential.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -45,8 +50,9 @@ _QUESTIONS = ("Where is my order {i}?", "Can I return item {i} after thirty days
               "Do you ship parcel {i} to Norway, and how long does it take?")
 
 
-def chats(source: HFTokenSource, tokens: int, n: int) -> list[dict[str, Any]]:
-    """``n`` chat bodies of about ``tokens`` tokens each: one system prompt, distinct user turns."""
+def chats(source: HFTokenSource, tokens: int, n: int, *, shared: bool = True) -> list[dict[str, Any]]:
+    """``n`` chat bodies of about ``tokens`` tokens each, distinct user turns; one system prompt for
+    all (``shared``) or each its own (a session line first: nothing of it was seen before)."""
     words = max(20, round(tokens / 1.28))
     for _ in range(4):  # the prose's tokens per word drifts a little with length: correct twice or so
         system = system_prompt(words)
@@ -54,7 +60,7 @@ def chats(source: HFTokenSource, tokens: int, n: int) -> list[dict[str, Any]]:
         if abs(got - tokens) < tokens * 0.02:
             break
         words = max(20, round(words * tokens / max(got, 1)))
-    return [{"messages": [{"role": "system", "content": system},
+    return [{"messages": [{"role": "system", "content": system if shared else f"Session {i}.\n{system}"},
                           {"role": "user", "content": _QUESTIONS[i % len(_QUESTIONS)].format(i=i)}]}
             for i in range(n)]
 
@@ -109,15 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     source = HFTokenSource(model_dir)
     rows: list[tuple[str, int, int, float, float]] = []
     parts_rows: list[tuple[int, dict[str, float]]] = []
-    cases = {size: chats(source, size, args.requests if size <= 4096 else max(20, args.requests // 4))
-             for size in args.sizes}
+    counts = {size: args.requests if size <= 4096 else max(20, args.requests // 4) for size in args.sizes}
+    cases = {size: chats(source, size, n) for size, n in counts.items()}
+    fresh = {size: chats(source, size, n, shared=False) for size, n in counts.items()}
     actual = {size: len(source.ids("chat", bodies[0]) or []) for size, bodies in cases.items()}
 
     async def in_process() -> None:
         for size, bodies in cases.items():
             await time_source(source.prompt_ids, bodies[:5])  # warm: the thread, the template
             p50, p99 = _ms(await time_source(source.prompt_ids, bodies))
-            rows.append(("in-process", actual[size], len(bodies), p50, p99))
+            rows.append(("in-process, shared", actual[size], len(bodies), p50, p99))
+            p50, p99 = _ms(await time_source(source.prompt_ids, fresh[size]))
+            rows.append(("in-process, new", actual[size], len(bodies), p50, p99))
             parts = time_parts(source, bodies)
             parts_rows.append((actual[size], {k: statistics.median(v) * 1000 for k, v in parts.items()}))
 
@@ -143,16 +152,27 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(render())
 
     print("\nExact token ids per chat request (sequential, one request at a time)\n")
-    print(f"{'source':<15} {'tokens':>7} {'requests':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'source':<20} {'tokens':>7} {'requests':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for name, tokens, n, p50, p99 in rows:
-        print(f"{name:<15} {tokens:>7} {n:>9} {p50:>8.3f} {p99:>8.3f}")
-    print("\nWhere the in-process time goes (medians, ms): would a cache of the system turn's ids pay?\n")
+        print(f"{name:<20} {tokens:>7} {n:>9} {p50:>8.3f} {p99:>8.3f}")
+    print("\nWhere the uncached in-process time goes (medians, ms): what a cache of the system turn's ids saves\n")
     print(f"{'tokens':>7} {'render':>8} {'tok all':>8} {'tok after system':>17} {'most a cache saves':>19}")
     for tokens, p in parts_rows:
         saved = p["tokenize all"] - p["tokenize after system"]
         print(f"{tokens:>7} {p['render']:>8.3f} {p['tokenize all']:>8.3f} {p['tokenize after system']:>17.3f} "
               f"{saved:>19.3f}")
+    print(f"\nmachine: load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+          f"a 1M-iteration Python loop takes {_loop_ms():.0f} ms here")
     return 0
+
+
+def _loop_ms() -> float:
+    """A yardstick printed with the figures: how loaded the cores were while they were taken."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(1_000_000):
+        total += i
+    return (time.perf_counter() - t0) * 1000
 
 
 if __name__ == "__main__":

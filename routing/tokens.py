@@ -56,6 +56,10 @@ _RESERVED_KWARGS = frozenset({"chat_template", "tokenize", "tools", "conversatio
                               "add_generation_prompt", "continue_final_message", "documents", "return_dict"})
 
 
+_BACKEND_PROBES = ("Hello, World! café 日本 🙂", "  leading and trailing  ", "a<|im_start|>b<|im_end|>\n[CLS]x",
+                   "line\n\nbreaks\ttabs")
+
+
 class _Unrenderable(Exception):
     """The request holds something this source cannot turn into vLLM's exact ids."""
 
@@ -199,6 +203,15 @@ class HFTokenSource:
         self._truncating_tok: Any = None
         # Rendered chat prompts are cut after added tokens (<|im_end|>, ...) and the ids
         # of long segments kept (routing.token_cache), when this tokenizer allows it.
+        # The Rust tokenizer behind a fast one, called directly for segments: the
+        # transformers wrapper costs more per call than a short segment's tokenization.
+        # Used only if it gives the wrapper's ids (checked here).
+        self._backend: Any = None
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and all(
+                backend.encode(t, add_special_tokens=False).ids == list(self.tokenizer(t, add_special_tokens=False)
+                                                                       .input_ids) for t in _BACKEND_PROBES):
+            self._backend = backend
         self._cuts = cut_points(self.tokenizer, self._encode)
         self.cache: SegmentCache | None = SegmentCache() if self._cuts is not None else None
 
@@ -254,7 +267,8 @@ class HFTokenSource:
         return list(ids)
 
     def _chat_plan(self, body: dict[str, Any]) -> tuple[list[Any], int]:
-        """The rendered prompt as cached ids and texts still to tokenize, and how many characters those hold.
+        """The rendered prompt as cached ids (tuples) and [text, cache key or None] still to tokenize,
+        and how many characters those hold.
 
         The same ids as ``_chat_ids``: the template's text tokenized without special
         tokens, piece by piece at cut points (``routing.token_cache``)."""
@@ -266,23 +280,23 @@ class HFTokenSource:
         items: list[Any] = []
         uncached = 0
         pending = start = 0  # text[pending:start] is short segments not yet handed on
-        for end in [*(m.end() for m in self._cuts.finditer(text)), len(text)]:
+        for end in [*self._cuts.ends(text), len(text)]:
             if end - start >= MIN_SEGMENT_CHARS:
                 if pending < start:
-                    items.append((text[pending:start], None))
+                    items.append([text[pending:start], None])
                     uncached += start - pending
                 segment = text[start:end]
                 key = self.cache.key(segment)
                 cached = self.cache.get(key)
                 if cached is None:
-                    items.append((segment, key))
+                    items.append([segment, key])
                     uncached += len(segment)
                 else:
                     items.append(cached)
                 pending = end
             start = end
         if pending < len(text):
-            items.append((text[pending:], None))
+            items.append([text[pending:], None])
             uncached += len(text) - pending
         return items, uncached
 
@@ -290,7 +304,7 @@ class HFTokenSource:
         assert self.cache is not None
         out: list[int] = []
         for item in items:
-            if isinstance(item, tuple):
+            if isinstance(item, list):
                 segment, key = item
                 ids = self._encode(segment)
                 if key is not None:
@@ -301,6 +315,8 @@ class HFTokenSource:
         return out
 
     def _encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids  # type: ignore[no-any-return]
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _template_args(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:

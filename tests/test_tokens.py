@@ -338,6 +338,10 @@ def test_a_tokenizer_whose_pieces_depend_on_position_gets_no_cache(source: HFTok
     # A tokenizer that marks the start of every call (a BOS it adds whatever it is told,
     # as some do): cutting would put that mark in the middle of the prompt.
     assert cut_points(source.tokenizer, lambda text: [101, *base(text)]) is None
+    # Cut after each token, leftmost first and then longest, never inside one.
+    from routing.token_cache import CutPoints
+
+    assert CutPoints(["<a>", "<a>b", "b"]).ends("x<a>by<a>zb") == [5, 9, 11]
     # The cache is bounded by the tokens it holds, least recently used out first.
     cache = SegmentCache(capacity_tokens=10)
     cache.put(b"a", [1] * 6)

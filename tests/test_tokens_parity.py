@@ -148,6 +148,17 @@ def test_a_4k_token_chat_equals_vllm_render(server: RenderServer, source: HFToke
     assert source.offloaded >= 1, "a prompt this long is tokenized off the event loop"
 
 
+def test_ids_from_the_segment_cache_equal_vllm_render(server: RenderServer, source: HFTokenSource) -> None:
+    """Requests sharing a long system prompt take its ids from the cache: still vLLM's ids."""
+    assert source.cache is not None
+    system = long_chat(2048)["messages"][0]["content"]
+    hits = source.cache.hits
+    for question in ("First question?", "Second question, with tools.", "Third: ünïcödé"):
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        assert ours(source, "chat", body) == server.render("chat", body)
+    assert source.cache.hits >= hits + 2
+
+
 def test_the_render_client_returns_the_servers_ids(server: RenderServer) -> None:
     async def run() -> tuple[list[int] | None, list[int] | None, list[int] | None]:
         client = RenderTokenSource(server.url, timeout_s=30)
