@@ -209,8 +209,8 @@ class HFTokenSource:
         self._backend: Any = None
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and all(
-                backend.encode(t, add_special_tokens=False).ids == list(self.tokenizer(t, add_special_tokens=False)
-                                                                       .input_ids) for t in _BACKEND_PROBES):
+                backend.encode_batch([t], add_special_tokens=False)[0].ids
+                == list(self.tokenizer(t, add_special_tokens=False).input_ids) for t in _BACKEND_PROBES):
             self._backend = backend
         self._cuts = cut_points(self.tokenizer, self._encode)
         self.cache: SegmentCache | None = SegmentCache() if self._cuts is not None else None
@@ -316,7 +316,9 @@ class HFTokenSource:
 
     def _encode(self, text: str) -> list[int]:
         if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids  # type: ignore[no-any-return]
+            # encode_batch, not encode: only the batch call lets go of the GIL while the
+            # Rust code runs, so the event loop goes on serving during a long segment.
+            return self._backend.encode_batch([text], add_special_tokens=False)[0].ids  # type: ignore[no-any-return]
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _template_args(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:

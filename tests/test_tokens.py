@@ -127,31 +127,45 @@ def test_tool_calls_render_as_objects_and_tools_enter_the_system_turn(source: HF
                                 "tools": [tool]}) == got
 
 
-def test_long_prompts_tokenize_off_the_event_loop(source: HFTokenSource) -> None:
-    """While a 16K-token prompt is tokenized, the loop keeps running other tasks."""
-    long_body = {"prompt": "the quick brown fox " * 4000}
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_long_prompts_tokenize_off_the_event_loop(source: HFTokenSource, endpoint: str) -> None:
+    """While a new 16K-token prompt is tokenized, the loop keeps running other tasks.
 
-    async def run() -> tuple[list[int] | None, int, int]:
-        ticks = 0
+    The tokenizer thread must also let go of the GIL (the Rust tokenizer's batch
+    call does, its single call does not): a thread that held it would stop the
+    loop as surely as tokenizing on it."""
+    text = " ".join(f"fox{i} jumps" for i in range(6000))
+    body = {"prompt": text} if endpoint == "completions" else {"messages": [{"role": "user", "content": text}]}
+
+    async def run() -> tuple[list[int] | None, float, float, int]:
+        import time
+
+        last = time.perf_counter()
+        longest = 0.0
 
         async def ticker() -> None:
-            nonlocal ticks
+            nonlocal last, longest
             while True:
                 await asyncio.sleep(0)
-                ticks += 1
+                now = time.perf_counter()
+                longest, last = max(longest, now - last), now
 
         task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        before = ticks
-        got = await source.prompt_ids("completions", long_body)
-        during = ticks - before
+        await asyncio.sleep(0.01)
+        offloaded = source.offloaded
+        started = last = time.perf_counter()
+        longest = 0.0
+        got = await source.prompt_ids(endpoint, body)
+        elapsed = time.perf_counter() - started
         task.cancel()
-        return got, during, source.offloaded
+        return got, longest, elapsed, source.offloaded - offloaded
 
-    got, during, offloaded = asyncio.run(run())
-    assert got is not None and len(got) == 16001
-    assert offloaded >= 1
-    assert during > 1, "the loop was held for the whole tokenization"
+    got, longest, elapsed, offloaded = asyncio.run(run())
+    assert got is not None and len(got) > 16000
+    assert offloaded == 1
+    # Held by the GIL, the loop's longest stall is the whole tokenization (measured: 270 of
+    # 290 ms); released, it is what the OS scheduler takes on a loaded box.
+    assert longest < 0.6 * elapsed, (longest, elapsed)
 
 
 def test_render_source_degrades_to_none_and_backs_off() -> None:
