@@ -338,6 +338,9 @@ class HFTokenSource:
         for name in ("documents", "reasoning_effort"):
             if body.get(name) is not None:
                 kwargs[name] = body[name]
+        if body.get("reasoning_effort") is not None and "enable_thinking" not in extra:
+            # vLLM turns thinking on for templates that need asking (Qwen3, Gemma 4) unless told "none".
+            kwargs["enable_thinking"] = body["reasoning_effort"] != "none"
         conversation = _conversation(body.get("messages"))
         if not self.template_has_developer and any(m["role"] == "developer" for m in conversation):
             conversation = _developer_as_system(conversation)

@@ -20,6 +20,10 @@ from tests.support.servers import free_port
 from tests.support.stack import MODEL, start_stack
 from vllm_sim.tokenizer_dir import SPECIAL_TOKENS, build_tokenizer_dir
 
+# Loading a tokenizer imports transformers and torch: tens of seconds on a loaded box,
+# and the demo and simulator-process tests load it in three more processes.
+pytestmark = pytest.mark.timeout(300)
+
 
 @pytest.fixture(scope="module")
 def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -77,6 +77,7 @@ CHATS: dict[str, dict[str, Any]] = {
                                                {"role": "assistant", "content": None},
                                                {"role": "user", "content": "again"}]},
     "truncated_chat": {"truncate_prompt_tokens": 5, "messages": [{"role": "user", "content": "a b c d e f g"}]},
+    "reasoning_effort": {"reasoning_effort": "low", "messages": [{"role": "user", "content": "think"}]},
     "unknown_fields_and_kwargs": {"chat_template_kwargs": {"enable_thinking": False},
                                   "messages": [{"role": "user", "content": "x", "metadata": {"a": 1}}]},
 }
