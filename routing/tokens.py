@@ -201,8 +201,6 @@ class HFTokenSource:
         self.failures = 0
         self.offloaded = 0
         self._truncating_tok: Any = None
-        # Rendered chat prompts are cut after added tokens (<|im_end|>, ...) and the ids
-        # of long segments kept (routing.token_cache), when this tokenizer allows it.
         # The Rust tokenizer behind a fast one, called directly for segments: the
         # transformers wrapper costs more per call than a short segment's tokenization.
         # Used only if it gives the wrapper's ids (checked here).
@@ -212,6 +210,8 @@ class HFTokenSource:
                 backend.encode_batch([t], add_special_tokens=False)[0].ids
                 == list(self.tokenizer(t, add_special_tokens=False).input_ids) for t in _BACKEND_PROBES):
             self._backend = backend
+        # Rendered chat prompts are cut after added tokens (<|im_end|>, ...) and the ids
+        # of long segments kept (routing.token_cache), when this tokenizer allows it.
         self._cuts = cut_points(self.tokenizer, self._encode)
         self.cache: SegmentCache | None = SegmentCache() if self._cuts is not None else None
 
@@ -243,7 +243,7 @@ class HFTokenSource:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        """Synchronous ``prompt_ids`` (benchmarks, the simulator): same answer, on the calling thread."""
+        """Synchronous ``prompt_ids`` (benchmarks, tests): same answer, on the calling thread."""
         try:
             return self._ids(endpoint, body)
         except Exception:
