@@ -2,7 +2,7 @@
 
 vLLM cannot live in kvgate's venv (it pins its own torch, transformers and
 fastapi), so it has its own, built by ``.ci/vllm_venv.sh`` at /work/vllm-venv
-or wherever ``$KVGATE_VLLM_PYTHON`` points. ``render_server(model_dir)`` runs
+or wherever ``$VLLM_VENV_PYTHON`` points. ``render_server(model_dir)`` runs
 ``vllm launch render`` (vLLM's GPU-less rendering server: chat templates and
 tokenization, no weights) on a free loopback port and waits until it answers.
 The tests' wrapper (tests/support/vllm_env.py) skips where vLLM is missing.
@@ -33,8 +33,11 @@ TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 @lru_cache(maxsize=1)
 def vllm_python() -> str | None:
-    """A Python that can ``import vllm``: $KVGATE_VLLM_PYTHON, else the default venv's; None if neither."""
-    for python in (os.environ.get("KVGATE_VLLM_PYTHON"), str(DEFAULT_VENV / "bin" / "python")):
+    """A Python that can ``import vllm``: $VLLM_VENV_PYTHON, else the default venv's; None if neither.
+
+    Not a ``KVGATE_`` name: kvgate reads every ``KVGATE_*`` variable as a setting and
+    refuses to start on one it does not know, and test gateways inherit the environment."""
+    for python in (os.environ.get("VLLM_VENV_PYTHON"), str(DEFAULT_VENV / "bin" / "python")):
         if not python or not Path(python).exists():
             continue
         probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=120, check=False)
@@ -45,7 +48,8 @@ def vllm_python() -> str | None:
 
 def vllm_env() -> dict[str, str]:
     """Environment for vLLM processes: CPU only, offline, no usage reports, not kvgate's PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # Not kvgate's PYTHONPATH, nor our own variable (vLLM warns of VLLM_* names it does not know).
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_VENV_PYTHON")}
     env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="WARNING")
     return env
@@ -92,7 +96,7 @@ def render_server(model_dir: str | Path, *, model: str = "parity-model", python:
     """``vllm launch render MODEL_DIR`` on a free loopback port; yields once /health answers 200."""
     python = python or vllm_python()
     if python is None:
-        raise RuntimeError("vLLM is not installed: run .ci/vllm_venv.sh or set KVGATE_VLLM_PYTHON")
+        raise RuntimeError("vLLM is not installed: run .ci/vllm_venv.sh or set VLLM_VENV_PYTHON")
     port = _free_port()
     log = Path(tempfile.mkstemp(prefix="vllm-render-", suffix=".log")[1])
     cmd = [str(Path(python).with_name("vllm")), "launch", "render", str(model_dir), "--host", "127.0.0.1",

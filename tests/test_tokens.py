@@ -368,3 +368,40 @@ def test_a_tokenizer_whose_pieces_depend_on_position_gets_no_cache(source: HFTok
     cache.put(b"c", [3] * 4)
     assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.get(b"c") is not None
     assert cache.stats()["tokens"] <= 10
+
+
+def test_config_reload_switches_a_model_to_exact_ids(tmp_path: Path, tokdir: Path) -> None:
+    """routing.tokenizers added to the config file and reloaded: the next requests get exact ids."""
+    import yaml
+
+    from tests.support.procs import start_kvgate
+    from tests.support.servers import ServerThread
+    from vllm_sim.server import build_app as build_sim
+    from tests.support.stack import sim_config
+
+    sim = ServerThread(build_sim(sim_config("r1"))).start()
+    port, admin_port = free_port(), free_port()
+    config: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": admin_port, "token": "admin-secret"},
+        "replicas": [{"name": "r1", "url": sim.url, "models": [MODEL]}],
+        "pool": {"health_interval_s": 60, "metrics_interval_s": 60},
+        "shutdown_delay_s": 0,
+    }
+    proc = start_kvgate(tmp_path, config, timeout=120)
+    admin = httpx.Client(base_url=f"http://127.0.0.1:{admin_port}", timeout=120,
+                         headers={"authorization": "Bearer admin-secret"})
+    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        assert admin.get("/admin/routing").json()["tokenization"]["models"][MODEL]["mode"] == "approximate"
+        config["routing"] = {"tokenizers": {MODEL: str(tokdir)}}
+        (tmp_path / "kvgate.yaml").write_text(yaml.safe_dump(config))
+        assert admin.post("/admin/config/reload").status_code == 200
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=30).status_code == 200
+        row = admin.get("/admin/routing").json()["tokenization"]["models"][MODEL]
+        assert row["mode"] == "in-process" and row["exact"] == 1
+    finally:
+        admin.close()
+        proc.terminate()
+        proc.wait(10)
+        sim.stop()

@@ -22,7 +22,7 @@ def need_vllm() -> str:
     """The vLLM venv's Python, or skip the calling test with the reason."""
     python = vllm_python()
     if python is None:
-        pytest.skip("vLLM is not installed: run .ci/vllm_venv.sh (CI does) or set KVGATE_VLLM_PYTHON "
+        pytest.skip("vLLM is not installed: run .ci/vllm_venv.sh (CI does) or set VLLM_VENV_PYTHON "
                     "to a Python that can import vllm==0.33.0")
     return python
 
