@@ -9,6 +9,8 @@ they are measured in turn, cell by cell.
     python -m bench.overhead                 # concurrency 1, 32, 256; unary and streaming; 5 s per cell
     python -m bench.overhead --duration 10 --concurrency 1 64
     python -m bench.overhead --workers 1 2   # requests/s at concurrency 256, one kvgate worker and two
+    python -m bench.overhead --endpoints chat responses --modes stream
+                                             # the Responses API's stream beside chat's, same 8 tokens
     python -m bench.overhead --policy round_robin prefix_affinity --prompt-tokens 4096 --repeat 3
                                              # what routing adds, per policy, at concurrency 1:
                                              # a 200-word and a ~4K-token system prompt, a short user turn
@@ -167,14 +169,30 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def _as_responses(body: bytes) -> bytes:
+    """The chat body's request as the Responses API's: system -> instructions, user -> input."""
+    chat = orjson.loads(body)
+    out = {"model": chat["model"], "max_output_tokens": chat["max_tokens"]}
+    for m in chat["messages"]:
+        out["instructions" if m["role"] == "system" else "input"] = m["content"]
+    return orjson.dumps(out)
+
+
+# Endpoint -> (path, how a chat body becomes its request).
+ENDPOINTS = {"chat": ("/v1/chat/completions", None), "responses": ("/v1/responses", _as_responses)}
+
+
 async def measure(port: int, bodies: list[bytes] | None, stream: bool, concurrency: int,
-                  duration: float, pid: int | None = None) -> dict[str, float]:
+                  duration: float, pid: int | None = None, endpoint: str = "chat") -> dict[str, float]:
     if bodies is None:
         bodies = [orjson.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}],
                                 "max_tokens": 16})]
+    path, convert = ENDPOINTS[endpoint]
+    if convert is not None:
+        bodies = [convert(b) for b in bodies]
     if stream:
         bodies = [b[:-1] + b',"stream":true}' for b in bodies]
-    raws = [build_request("127.0.0.1", port, "/v1/chat/completions", b) for b in bodies]
+    raws = [build_request("127.0.0.1", port, path, b) for b in bodies]
     cpu: list[float] = []
     clock = (lambda: cpu.append(cpu_seconds(pid))) if pid is not None else None
     result, seconds = await run_load("127.0.0.1", port, raws, concurrency=concurrency, duration_s=duration,
@@ -197,14 +215,16 @@ def run_cells(args: argparse.Namespace, targets: list[Target], pids: dict[str, i
     for case, bodies in cases.items():
         for mode in modes:
             for c in args.concurrency:
-                runs: dict[str, list[dict[str, float]]] = {t.label: [] for t in targets}
-                for _ in range(args.repeat):
-                    for t in targets:
-                        runs[t.label].append(asyncio.run(measure(t.port, bodies, mode == "stream", c, args.duration,
-                                                                 pids.get(t.label))))
-                cells = {label: _median(r) for label, r in runs.items()}
-                _print_cells(case, mode, c, cells, header)
-                header = False
+                for endpoint in args.endpoints:
+                    runs: dict[str, list[dict[str, float]]] = {t.label: [] for t in targets}
+                    for _ in range(args.repeat):
+                        for t in targets:
+                            runs[t.label].append(asyncio.run(measure(t.port, bodies, mode == "stream", c,
+                                                                     args.duration, pids.get(t.label), endpoint)))
+                    cells = {label: _median(r) for label, r in runs.items()}
+                    label = case if args.endpoints == ["chat"] else f"{case} · {endpoint}"
+                    _print_cells(label, mode, c, cells, header)
+                    header = False
 
 
 def _print_cells(case: str, mode: str, c: int, cells: dict[str, dict[str, float]], header: bool) -> None:
@@ -236,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-words", type=int, help="the words of the short system prompt case (200)")
     p.add_argument("--modes", nargs="+", choices=["unary", "stream"])
     p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--endpoints", nargs="+", choices=sorted(ENDPOINTS), default=["chat"],
+                   help="routes measured side by side, each cell in turn")
     p.add_argument("--repeat", type=int, default=1, help="measure each cell this often; print medians")
     args = p.parse_args(argv)
     if args.concurrency is None:

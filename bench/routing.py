@@ -51,7 +51,7 @@ from routing.prefix_affinity import PrefixAffinity
 from routing.round_robin import RoundRobin
 from routing.base import RouteRequest
 
-from .routing_baselines import KubeAICHWBL, LLMDScorers, SGLangCacheAware
+from .routing_baselines import KubeAICHWBL, LLMDPrecise, LLMDScorers, SGLangCacheAware, SGLangEventDriven
 from .routing_reference import REFERENCE, BoundedReference
 from .routing_report import Row, WorkloadReport, format_table, plot, write_json
 from .routing_sim import PolicyFactory, SimSettings, simulate
@@ -78,6 +78,12 @@ POLICIES: dict[str, PolicyFactory] = {
 SHARE_DELAY_S = 0.05
 # Policies also run as several independent gateway instances (no shared state).
 MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity", "cost")
+# Precise mode (issue 16): policies reading the replicas' KV events, with no other shared state.
+PRECISE: dict[str, PolicyFactory] = {
+    "cost precise": lambda clock: CostModel(PA_SETTINGS, clock),
+    "llm-d precise": lambda clock: LLMDPrecise(),
+    "sglang event-driven": lambda clock: SGLangEventDriven(),
+}
 
 
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
@@ -190,6 +196,12 @@ def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
                          replace(base, instances=args.instances, agreement=True, share_s=SHARE_DELAY_S))
         rep.rows.append(Row(f"prefix_affinity x{args.instances}, shared index", stats, ideal, rep.reference))
         _progress(w.name, f"prefix_affinity x{args.instances} shared index", stats)
+    for label in args.precise:
+        for n in args.precise_instances if label == "cost precise" else [max(args.precise_instances)]:
+            # Only the cost model is compared with the single-instance figure; the peers run at the largest count.
+            stats = simulate(w, PRECISE[label], replace(base, instances=n, kv_events=True, agreement=n > 1))
+            rep.rows.append(Row(f"{label} x{n}", stats, ideal, rep.reference))
+            _progress(w.name, f"{label} x{n}", stats)
     if "prefix_affinity" in args.policies and not args.large_kv:
         stats = simulate(w, POLICIES["prefix_affinity"], replace(base, kv_tokens=1 << 40))
         rep.rows.append(Row("prefix_affinity, large KV", stats, ideal, rep.reference))
@@ -211,6 +223,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--instances", type=int, default=4, help="gateway instances for the multi-instance rows")
+    p.add_argument("--precise", nargs="*", default=list(PRECISE), choices=list(PRECISE),
+                   help="precise-mode policies (KV events) to run; none: skip")
+    p.add_argument("--precise-instances", type=int, nargs="+", default=[1, 4, 8],
+                   help="instance counts for the cost model's precise rows (the peers run at the largest)")
     p.add_argument("--load", type=float, default=0.7, help="fleet utilisation at the ideal hit ratio")
     p.add_argument("--clients", type=int, default=0,
                    help="closed loop: this many clients, each sending its next request when the last completes")

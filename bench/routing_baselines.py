@@ -24,6 +24,11 @@ come from the decision rules, not from parsing.
   characters of the first user message; a ring of 256 virtual nodes per
   endpoint (xxhash64 of name + index); walk clockwise to the first endpoint
   whose in-flight + 1 <= (total in-flight + 1) / n x 1.25, else the first one.
+
+Precise peers (issue 16), reading the replicas' KV events (``truth``, set by
+``bench.routing_sim`` with ``kv_events``): ``LLMDPrecise`` (llm-d's precise
+prefix scorer with its queue and KV-utilisation scorers) and
+``SGLangEventDriven`` (smg's cache-aware rule over an event-fed tree).
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ import xxhash
 
 from routing.base import ReplicaView, RouteFeedback, RouteRequest
 from routing.hashing import chain_hashes, prefix_seed, render
+from routing.token_keys import block_keys
 
-__all__ = ["SGLangCacheAware", "LLMDScorers", "KubeAICHWBL"]
+__all__ = ["SGLangCacheAware", "LLMDScorers", "KubeAICHWBL", "LLMDPrecise", "SGLangEventDriven"]
 
 _BLOCK = 64
 
@@ -179,6 +185,80 @@ class KubeAICHWBL:
                 break
         chosen = chosen or order[0]
         return [chosen, *(r for r in order if r is not chosen)]
+
+    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        return None
+
+
+def _held_fraction(truth: Any, request: RouteRequest, replicas: Sequence[ReplicaView]) -> tuple[dict[str, float], int]:
+    """Per replica, the share of the request's blocks its events say it holds (longest consecutive prefix)."""
+    tokens = request.token_ids or []
+    salt = request.body.get("cache_salt")
+    keys = block_keys(tokens, truth.block_size, salt if isinstance(salt, str) else None)
+    held = truth.index.held(keys, [r.name for r in replicas]) if keys else {}
+    n = len(keys)
+    return {name: blocks / n for name, blocks in held.items()} if n else {}, n
+
+
+class LLMDPrecise:
+    """llm-d's precise prefix-cache scorer: the same three scorers, the prefix one read from KV events.
+
+    prefix = longest consecutive run of the request's blocks the pod's events
+    say it holds (tier-weighted), over the request's blocks; then queue and
+    KV-utilisation scorers as ``LLMDScorers``, weights 3 / 2 / 2, highest score
+    (random among ties). No routing-time guess: only what the events report.
+    """
+
+    name = "llm-d precise"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.truth: Any = None  # set by the fleet (bench.routing_sim.BenchTruth)
+        self._rng = random.Random(seed)
+
+    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        if not replicas:
+            return []
+        share, _ = _held_fraction(self.truth, request, replicas) if self.truth is not None else ({}, 0)
+        queues = [r.waiting or 0.0 for r in replicas]
+        q_lo, q_hi = min(queues), max(queues)
+        scored = []
+        for r, q in zip(replicas, queues):
+            queue = (q_hi - q) / (q_hi - q_lo) if q_hi > q_lo else 1.0
+            scored.append((3 * share.get(r.name, 0.0) + 2 * queue + 2 * (1.0 - (r.kv_usage or 0.0)),
+                           self._rng.random(), r))
+        scored.sort(key=lambda t: (-t[0], t[1]))
+        return [t[2] for t in scored]
+
+    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        return None
+
+
+class SGLangEventDriven:
+    """sgl-model-gateway's cache-aware rule over an event-driven tree (its KV-event mode).
+
+    As ``SGLangCacheAware`` (balance thresholds on the router's in-flight, then
+    the longest match if its rate passes 0.3, else least loaded), with the match
+    read from the replicas' KV events instead of the router's own tree.
+    """
+
+    name = "sglang event-driven"
+
+    def __init__(self, threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5) -> None:
+        self.threshold, self.balance_abs, self.balance_rel = threshold, balance_abs, balance_rel
+        self.truth: Any = None
+
+    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        if not replicas:
+            return []
+        by_load = sorted(replicas, key=lambda r: (r.in_flight, r.name))
+        lo, hi = by_load[0].in_flight, by_load[-1].in_flight
+        chosen = by_load[0]
+        if not (hi - lo > self.balance_abs and hi > self.balance_rel * lo) and self.truth is not None:
+            share, _ = _held_fraction(self.truth, request, replicas)
+            best = max(share.values(), default=0.0)
+            if best > self.threshold:
+                chosen = min((r for r in replicas if share.get(r.name) == best), key=lambda r: (r.in_flight, r.name))
+        return [chosen, *(r for r in by_load if r is not chosen)]
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         return None

@@ -18,6 +18,18 @@ uniformly at random (clients spread over gateway pods by a Service), is routed
 to the first replica of its preference order, and on completion its instance
 calls ``observe`` with the engine's real ``cached_tokens``.
 
+With ``kv_events`` the replicas publish KV events as vLLM does (``vllm_sim.kv``
+records them, ``vllm_sim.kv_events`` encodes each step's batch in vLLM's wire
+format, ``routing.kv_wire`` decodes it) and every instance's ``truth`` (a
+policy attribute: the cost model's precise mode, the peers' precise rules)
+reads one index fed by them ``event_delay_s`` after the step that stored the
+blocks; the instances share no other state. Their index is one object because
+it is identical by construction (each instance applies the same batches in the
+same order); what each instance has in flight stays its own. The workloads
+carry the engine's block hashes, not token ids, so the token ids a router
+sees stand in: 16 per block derived from the engine's hash of that block,
+equal between two requests exactly as far as their real ids are block by block.
+
 A policy with a ``choose_sim(request, engines, views)`` method is an oracle
 (``bench.routing_reference``): it is given the replicas themselves (their KV
 pools and queues) instead of only what a gateway sees.
@@ -45,14 +57,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from routing.base import RouteFeedback, RouteRequest, RoutingPolicy
+from routing.kv_events import KVEvents
+from routing.kv_index import KVEventIndex
+from routing.kv_wire import decode_batch
 from vllm_sim.kv import Allocation, KVPool
+from vllm_sim.kv_events import encode_batch
 from vllm_sim.timing import TimingModel
 
 from .workloads import ClosedLoop, Request, Workload, chains
 
 __all__ = ["SimSettings", "SimView", "RunStats", "PolicyFactory", "simulate", "load_bound"]
 
-_ARRIVE, _STEP, _SCRAPE, _GOSSIP = 0, 1, 2, 3
+_ARRIVE, _STEP, _SCRAPE, _GOSSIP, _EVENTS = 0, 1, 2, 3, 4
 
 
 @dataclass(slots=True)
@@ -74,6 +90,34 @@ class SimSettings:
     closed_loop: ClosedLoop | None = None
     # The epsilon of the bounded-loads cap every decision is measured against.
     bound_epsilon: float = 0.25
+    # Replicas publish KV events; policies with a ``truth`` attribute read them.
+    kv_events: bool = False
+    # From the end of the step that stored the blocks to the index: a ZMQ hop on a LAN
+    # and the consumer's turn on its event loop, a few milliseconds.
+    event_delay_s: float = 0.005
+
+
+def token_ids(req: Request, block_size: int) -> list[int]:
+    """Stand-in token ids: 16 per full block from the engine's hash of it, then the partial tail."""
+    out: list[int] = []
+    pad = [0] * (block_size - 4)
+    for h in req.kv_hashes:
+        a, b = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:16], "little")
+        out += (a & 0xFFFFFFFF, a >> 32, b & 0xFFFFFFFF, b >> 32)
+        out += pad
+    out += [0] * max(0, req.prompt_tokens - len(out))
+    return out
+
+
+class BenchTruth(KVEvents):
+    """Precise mode's truth without sockets: the shared event index, this instance's own in-flight overlay."""
+
+    def __init__(self, index: KVEventIndex, clock: Callable[[], float]) -> None:
+        super().__init__(index.block_size, clock=clock)
+        self.index = index
+
+    def live(self, name: str) -> bool:
+        return True
 
 
 def load_bound(in_flight: int, replicas: int, epsilon: float = 0.25) -> int:
@@ -120,7 +164,9 @@ class SimEngine:
 
     def __init__(self, name: str, settings: SimSettings) -> None:
         self.name = name
-        self.pool = KVPool(max(1, settings.kv_tokens // settings.block_size), settings.block_size)
+        self.pool = KVPool(max(1, settings.kv_tokens // settings.block_size), settings.block_size,
+                           events=settings.kv_events)
+        self.block_size = settings.block_size
         self.timing = settings.timing
         self.max_batched = settings.max_batched_tokens
         self.waiting: deque[_Job] = deque()
@@ -156,7 +202,8 @@ class SimEngine:
         slots = self.timing.max_num_seqs - len(self.running)
         while self.waiting and len(batch) < slots and (not batch or uncached < self.max_batched):
             job = self.waiting[0]
-            alloc = self.pool.allocate(list(job.req.kv_hashes), job.req.prompt_tokens + job.req.output_tokens)
+            ids = (job.route.token_ids or token_ids(job.req, self.block_size)) if self.pool.records_events else None
+            alloc = self.pool.allocate(list(job.req.kv_hashes), job.req.prompt_tokens + job.req.output_tokens, ids)
             if alloc is None:
                 break
             self.waiting.popleft()
@@ -243,6 +290,11 @@ class _Fleet:
         self.now = 0.0
         # Policies read simulated time (load averages), never the wall clock.
         self.policies = [make_policy(lambda: self.now) for _ in range(settings.instances)]
+        self.index = KVEventIndex(settings.block_size) if settings.kv_events else None
+        if self.index is not None:
+            for policy in self.policies:
+                if hasattr(policy, "truth"):
+                    policy.truth = BenchTruth(self.index, lambda: self.now)  # type: ignore[attr-defined]
         self.engines = [SimEngine(f"r{i}", settings) for i in range(settings.replicas)]
         self.by_name = {e.name: e for e in self.engines}
         self.views = [[SimView(e.name) for e in self.engines] for _ in self.policies]
@@ -268,6 +320,8 @@ class _Fleet:
         inst = self.rng.randrange(len(self.policies))
         route = RouteRequest(req.endpoint, req.model, req.namespace, req.body(),
                              boundary_hint=req.headers.get("x-kvgate-cache-boundary"))
+        if self.index is not None:
+            route.token_ids = token_ids(req, self.s.block_size)
         policy = self.policies[inst]
         oracle = getattr(policy, "choose_sim", None)
         started = time.perf_counter()
@@ -335,7 +389,13 @@ class _Fleet:
         e.version += 1
         if batch:
             e.prefill, e.decoding = batch, False
-            self.push(now + e.timing.prefill_time(uncached), _STEP, e, e.version)
+            done = now + e.timing.prefill_time(uncached)
+            self.push(done, _STEP, e, e.version)
+            events = e.pool.take_events()
+            if events and self.index is not None:
+                # Published once the step has computed the blocks, as vLLM does.
+                payload = encode_batch(events, e.block_size, ts=done)
+                self.push(done + self.s.event_delay_s, _EVENTS, (e.name, payload))
             return
         if e.waiting and not e.running:
             self._drop(e.waiting.popleft(), now)  # larger than the whole pool: cannot ever run
@@ -432,6 +492,10 @@ class _Fleet:
                 self.step(obj, version, now)  # type: ignore[arg-type]
             elif kind == _GOSSIP:
                 self._deliver(*obj)  # type: ignore[misc]
+            elif kind == _EVENTS:
+                assert self.index is not None
+                name, payload = obj  # type: ignore[misc]
+                self.index.apply(name, decode_batch(payload))
             else:
                 self.scrape()
                 self.push(now + self.s.scrape_s, _SCRAPE, None)

@@ -160,6 +160,7 @@ def _routes(rt: Runtime) -> list[Route]:
 
     async def remove(request: Request) -> Response:
         rt.pool.remove(_named(request))
+        rt.sync_kv_events()  # a replica that left is forgotten by the event index too
         return Response(status_code=204)
 
     async def routing(request: Request) -> Response:

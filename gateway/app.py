@@ -9,6 +9,7 @@ anywhere near a stream); the few middleware layers are assembled in
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import time
 from typing import Any, AsyncIterator
 
@@ -23,9 +24,17 @@ from .errors import BadRequest, GatewayError, NotFound, error_payload
 from .asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
 from .proxy import PATHS, ProxyEndpoint
+from .responses_api import ResponsesEndpoint
+from .responses_routes import response_routes
+from .utility_routes import utility_endpoints
 from .runtime import Runtime
 from .settings import Settings
 from .worker_info import WorkerInfo
+
+try:
+    _VERSION = importlib.metadata.version("kvgate")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "unknown"
 
 
 def _error_response(err: GatewayError, request: Request | None = None) -> Response:
@@ -51,6 +60,9 @@ def _routes(rt: Runtime) -> list[Route]:
                 for m in rt.pool.models(healthy_only=True)]
         return JSONResponse({"object": "list", "data": data})
 
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": _VERSION})  # kvgate's own: replicas may run different vLLMs
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -63,6 +75,7 @@ def _routes(rt: Runtime) -> list[Route]:
 
     return [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -110,10 +123,12 @@ def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path
         finally:
             await rt.stop()
 
-    endpoints = {PATHS[name]: ProxyEndpoint(name, rt) for name in PATHS}
+    kinds = {"responses": ResponsesEndpoint}  # protocols with their own hooks; the rest are chat-like
+    endpoints: dict[str, ProxyEndpoint] = {PATHS[name]: kinds.get(name, ProxyEndpoint)(name, rt) for name in PATHS}
+    endpoints.update(utility_endpoints(rt))
     proxy_routes = [Route(path, _method_not_allowed, methods=["GET", "PUT", "PATCH", "DELETE"])
                     for path in endpoints]
-    app = Starlette(routes=[*_routes(rt), *proxy_routes], lifespan=lifespan,
+    app = Starlette(routes=[*_routes(rt), *proxy_routes, *response_routes(rt)], lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception})
     app.state.runtime = rt
     return KvgateApp(app, endpoints, worker)

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--time-scale", type=float, default=0.2, help="simulated GPU time x this factor")
     demo.add_argument("--no-semantic-cache", action="store_true")
     demo.add_argument("--precise", action="store_true",
-                      help="replicas and kvgate tokenize with a real tokenizer (built from the MiniLM package)")
+                      help="replicas publish KV events and tokenize as vLLM does; kvgate routes on the events")
     demo.set_defaults(func=_demo)
     sim = sub.add_parser("sim", help="one simulated vLLM replica")
     from vllm_sim.cli import add_arguments

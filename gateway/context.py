@@ -29,3 +29,4 @@ class RequestContext:
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     cache_req: Any = None  # set when the answer may be stored in the semantic cache
     cache_embedding: Any = None  # the lookup's embedding of the query, for the store to reuse
+    protocol: Any = None  # a protocol's own per-request state (the Responses API's replica pin)

@@ -5,6 +5,12 @@ routes to them with its default policy, and the base URL, the status page's
 URL (with its ``#token=``) and a copy-paste OpenAI SDK snippet are printed.
 kvgate listens on the documented ports, 8080 public and 8081 admin; a port
 already taken is replaced by a free one, and the banner says so.
+
+``--precise``: the replicas tokenize with a real tokenizer directory (built
+from the MiniLM package, ``vllm_sim.tokenizer_dir``) and publish KV events in
+vLLM's format; kvgate tokenizes with the same directory and routes with the
+cost model on what the replicas report holding (``GET /admin/routing`` shows
+each replica's mode).
 """
 
 from __future__ import annotations
@@ -60,6 +66,16 @@ def pick_port(wanted: int, what: str, notes: list[str]) -> int:
     return port
 
 
+def _demo_tokenizer() -> str:
+    """The MiniLM-based tokenizer directory, built once per user (the build is idempotent)."""
+    import tempfile
+    from pathlib import Path
+
+    from vllm_sim.tokenizer_dir import build_tokenizer_dir
+
+    return str(build_tokenizer_dir(Path(tempfile.gettempdir()) / "kvgate-demo-tokenizer"))
+
+
 def _banner(port: int, admin_port: int | None, replicas: list[tuple[str, int]], notes: list[str]) -> str:
     lines = ["", *notes] if notes else [""]
     lines += [
@@ -90,39 +106,34 @@ def _banner(port: int, admin_port: int | None, replicas: list[tuple[str, int]], 
     return "\n".join(lines)
 
 
-def demo_tokenizer_dir() -> str:
-    """The precise demo's tokenizer directory, built from the MiniLM package (same bytes every time)."""
-    import tempfile
-    from pathlib import Path
-
-    from vllm_sim.tokenizer_dir import build_tokenizer_dir
-
-    return str(build_tokenizer_dir(Path(tempfile.gettempdir()) / "kvgate-demo-tokenizer"))
-
-
 async def run_demo(port: int = PUBLIC_PORT, replicas: int = 3, time_scale: float = 0.2,
                    semantic_cache: bool = True, admin_port: int = ADMIN_PORT, precise: bool = False) -> int:
     logs.configure("warning")
     notes: list[str] = []
-    # Precise: replicas and gateway tokenize with one real tokenizer and chat template,
-    # so the ids kvgate routes on are the ids the replicas prefill.
-    tokenizer = demo_tokenizer_dir() if precise else None
-    if tokenizer:
-        notes.append(f"precise mode: replicas and kvgate tokenize with {tokenizer}")
     port = pick_port(port, "kvgate", notes)
     admin_port = pick_port(admin_port, "admin and status page", notes)
     sims: list[tuple[str, int]] = [(f"sim-{i + 1}", _free_port()) for i in range(replicas)]
     servers: list[Any] = []
+    tokenizer = _demo_tokenizer() if precise else None
+    entries: list[dict[str, Any]] = []
     for name, sim_port in sims:
+        pub = f"tcp://127.0.0.1:{_free_port()}" if precise else None
+        replay = f"tcp://127.0.0.1:{_free_port()}" if precise else None
         cfg = SimConfig(port=sim_port, model=MODEL, name=name, num_gpu_blocks=4096,
-                        timing=TimingModel(time_scale=time_scale), tokenizer=tokenizer)
+                        timing=TimingModel(time_scale=time_scale), tokenizer=tokenizer, kv_events=pub,
+                        kv_events_replay=replay)
         servers.append(make_server(build_sim(cfg), "127.0.0.1", sim_port))
+        entries.append({"name": name, "url": f"http://127.0.0.1:{sim_port}", "models": [MODEL],
+                        "kv_events": pub, "kv_events_replay": replay})
+    routing: dict[str, Any] = {"policy": "cost", "tokenizers": {MODEL: tokenizer}} if precise else {}
+    if precise:
+        notes.append(f"precise mode: KV events from every replica, token ids from {tokenizer}")
     settings = load_settings(overrides={
         "listen": {"host": "127.0.0.1", "port": port},
         "admin": {"host": "127.0.0.1", "port": admin_port, "token": ADMIN_TOKEN},
-        "replicas": [{"name": n, "url": f"http://127.0.0.1:{p}", "models": [MODEL]} for n, p in sims],
+        "replicas": entries,
+        "routing": routing,
         "semantic_cache": {"enabled": semantic_cache},
-        "routing": {"tokenizers": {MODEL: tokenizer} if tokenizer else {}},
     })
     app = build_app(settings)
     gateway = make_server(app, settings.listen.host, port)

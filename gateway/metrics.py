@@ -119,9 +119,37 @@ class _PolicyCollector(Collector):
         yield family
 
 
+class _KVEventsCollector(Collector):
+    """Each replica's KV-event stream (routing.kv_events): trusted or not, and what it delivered."""
+
+    def __init__(self, kv_events: Callable[[], Any]) -> None:
+        self._kv_events = kv_events
+
+    def collect(self) -> Iterator[Metric]:
+        fleet = self._kv_events()
+        if fleet is None:
+            return
+        precise = GaugeMetricFamily("kvgate_kv_events_precise",
+                                    "1 while the replica's KV-event stream is live (precise routing), else 0",
+                                    labels=["replica"])
+        received = CounterMetricFamily("kvgate_kv_events_received", "KV events received", labels=["replica"])
+        gaps = CounterMetricFamily("kvgate_kv_events_gaps", "sequence gaps, by whether replay filled them",
+                                   labels=["replica", "filled"])
+        blocks = GaugeMetricFamily("kvgate_kv_events_index_blocks", "blocks the event index holds",
+                                   labels=["replica"])
+        for name, stream in sorted(fleet.streams.items()):
+            precise.add_metric([name], 1.0 if stream.live else 0.0)
+            received.add_metric([name], stream.events)
+            gaps.add_metric([name, "yes"], stream.gaps_replayed)
+            gaps.add_metric([name, "no"], stream.gaps - stream.gaps_replayed)
+            blocks.add_metric([name], fleet.index.size(name))
+        yield from (precise, received, gaps, blocks)
+
+
 class Metrics:
     def __init__(self, pool: Callable[[], ReplicaPool | None] = lambda: None, *,
                  cache: Callable[[], Any] = lambda: None, policy: Callable[[], Any] = lambda: None,
+                 kv_events: Callable[[], Any] = lambda: None,
                  multiprocess_dir: Path | None = None) -> None:
         self._pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
@@ -149,7 +177,7 @@ class Metrics:
         self.rate_limited = Counter("kvgate_rate_limited", "requests refused by a tenant limit",
                                     ["tenant", "limit"], registry=r)
         self.multiprocess_dir = multiprocess_dir
-        scraped = (_CacheCollector(cache), _PolicyCollector(policy))
+        scraped = (_CacheCollector(cache), _PolicyCollector(policy), _KVEventsCollector(kv_events))
         if multiprocess_dir is None:
             for c in (_PoolCollector(pool), *scraped):
                 r.register(c)

@@ -26,7 +26,7 @@ from .errors import BadRequest, GatewayError, UpstreamError, UpstreamTimeout, in
 from .relay import Outcome, relay_stream, relay_whole
 from .sse import StreamObserver
 from .transport import UPSTREAM_HEADERS
-from .upstream import UpstreamCall, open_upstream, read_error_body
+from .upstream import Attempt, UpstreamCall, open_upstream, read_error_body
 from .validate import parse_json, validate
 
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvgate.access")
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+         "responses": "/v1/responses"}
 
 
 class ProxyEndpoint:
@@ -86,7 +87,7 @@ class ProxyEndpoint:
         raw = await read_body(receive, limit=limits.max_body_bytes, content_length=headers.get("content-length"),
                               deadline_s=rt.settings.timeouts.body_receive_s)
         body = parse_json(raw, max_depth=limits.max_json_depth)
-        model = validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
+        model = self._validate(body)
         if rt.settings.log_prompts and log.isEnabledFor(logging.DEBUG):
             # Only with log_prompts: true AND debug level, both set on purpose by an operator.
             log.debug("request body", extra={"request_id": rid, "body": body})
@@ -103,7 +104,7 @@ class ProxyEndpoint:
             exchange.headers.append((name, value))
         if await stages.serve_from_cache(rt, ctx, exchange):
             return "cache", None
-        body = stages.upstream_body(ctx)
+        body = self._upstream_body(ctx)
         route = RouteRequest(ctx.endpoint, ctx.model, ctx.tenant.namespace, ctx.body,
                              boundary_hint=ctx.headers.get("x-kvgate-cache-boundary"))
         if rt.tokenization.enabled:
@@ -116,7 +117,7 @@ class ProxyEndpoint:
             read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
         )
-        attempt = await open_upstream(rt.pool, rt.policy, route, call, rt.replica_keys)
+        attempt = await self._open(route, call, ctx)
         try:
             replica = attempt.replica
             exchange.add_header("x-kvgate-replica", replica.name)
@@ -143,6 +144,17 @@ class ProxyEndpoint:
             return replica.name, outcome
         finally:
             await attempt.close()
+
+    # Per-protocol hooks: a protocol with its own body rules or routing overrides these.
+    def _validate(self, body: dict[str, Any]) -> str:
+        limits = self.rt.settings.limits
+        return validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
+
+    def _upstream_body(self, ctx: RequestContext) -> dict[str, Any]:
+        return stages.upstream_body(ctx)
+
+    async def _open(self, route: RouteRequest, call: UpstreamCall, ctx: RequestContext) -> Attempt:
+        return await open_upstream(self.rt.pool, self.rt.policy, route, call, self.rt.replica_keys)
 
     async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
         timeouts = self.rt.settings.timeouts

@@ -22,7 +22,7 @@ import httpx
 import orjson
 
 from .asgi_io import Exchange
-from .errors import UpstreamError, UpstreamTimeout, sse_error_event
+from .errors import UpstreamError, UpstreamTimeout
 from .sse import StreamObserver, Usage
 
 SSE_HEADERS = [
@@ -141,7 +141,7 @@ async def relay_stream(
     except httpx.HTTPError:
         observer.failure = "replica connection failed mid-stream"
     if observer.failure is not None and observer.upstream_error is None:
-        await exchange.body(sse_error_event(UpstreamError(observer.failure)))
+        await exchange.body(observer.error_event(UpstreamError(observer.failure)))
     await exchange.body(b"", more=False)
     if observer.done and observer.failure is None:
         await _drain(it)
@@ -152,6 +152,17 @@ async def relay_whole(
     response: httpx.Response, exchange: Exchange, *, endpoint: str, timeout_s: float,
     max_bytes: int = 64 * 1024 * 1024, on_complete: OnComplete | None = None,
 ) -> Outcome:
+    body, obj = await read_whole(response, timeout_s=timeout_s, max_bytes=max_bytes)
+    outcome = Outcome(usage=Usage.from_obj(obj.get("usage")), raw=body)
+    _observe_whole(obj, endpoint, outcome)
+    if on_complete is not None:
+        await on_complete(outcome)
+    await exchange.json(200, body)
+    return outcome
+
+
+async def read_raw(response: httpx.Response, *, timeout_s: float, max_bytes: int = 64 * 1024 * 1024) -> bytes:
+    """A whole non-streamed answer's bytes, bounded in time and size."""
     raw = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
@@ -163,19 +174,20 @@ async def relay_whole(
         raise UpstreamTimeout("replica did not answer in time") from None
     except httpx.HTTPError:
         raise UpstreamError("replica connection failed") from None
-    body = bytes(raw)
+    return bytes(raw)
+
+
+async def read_whole(response: httpx.Response, *, timeout_s: float,
+                     max_bytes: int = 64 * 1024 * 1024) -> tuple[bytes, dict[str, Any]]:
+    """A whole non-streamed answer: its bytes and its JSON object (anything else is a 502)."""
+    body = await read_raw(response, timeout_s=timeout_s, max_bytes=max_bytes)
     try:
         obj: Any = orjson.loads(body)
     except orjson.JSONDecodeError:
         obj = None
     if not isinstance(obj, dict):
         raise UpstreamError("replica sent an invalid answer")
-    outcome = Outcome(usage=Usage.from_obj(obj.get("usage")), raw=body)
-    _observe_whole(obj, endpoint, outcome)
-    if on_complete is not None:
-        await on_complete(outcome)
-    await exchange.json(200, body)
-    return outcome
+    return body, obj
 
 
 def _observe_whole(obj: dict[str, Any], endpoint: str, outcome: Outcome) -> None:

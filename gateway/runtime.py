@@ -12,18 +12,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 
 from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry
 from routing import RoutingPolicy, RoutingSettings, make_policy, resolve
+from routing.cost_model import CostModel
+from routing.kv_events import KVEvents
 from routing.tokenization import Tokenization
 
 from . import redis_client
 from .metrics import Metrics
 from .routing_sync import RoutingSync
 from .pool import PoolEvents, Replica, ReplicaPool, snapshot
+from .response_ids import ResponseIds, derive_id_key
 from .settings import Settings, load_settings
 from .stats import TenantStats
 from .tracing import Tracing
@@ -45,6 +49,15 @@ def make_client(settings: Settings, transport: httpx.AsyncBaseTransport) -> http
                              headers=UPSTREAM_HEADERS,
                              timeout=httpx.Timeout(settings.timeouts.first_byte_s,
                                                    connect=settings.timeouts.connect_s))
+
+
+def _make_kv_events(settings: Settings) -> KVEvents | None:
+    kv = settings.routing.kv_events
+    if not any(r.kv_events for r in settings.replicas) and not (kv.port and settings.routing.dns_name):
+        return None
+    # The replicas' --block-size: events of another size are skipped (counted), so a wrong one shows.
+    return KVEvents(settings.routing.block_size, cpu_weight=kv.cpu_weight, stale_s=kv.stale_s,
+                    max_blocks=kv.max_blocks)
 
 
 def _redis(settings: Settings) -> redis_client.Client | None:
@@ -71,17 +84,22 @@ class Runtime:
         self.transport = transport or LeanTransport(max_idle_per_origin=settings.pool.max_connections)
         self.client = make_client(settings, self.transport)
         self.metrics = Metrics(lambda: self.pool, cache=lambda: self.cache, policy=lambda: self.policy,
+                               kv_events=lambda: self.kv_events,
                                multiprocess_dir=worker.metrics_dir if worker else None)
         self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
                                 events=PoolEvents(on_eject=self._on_eject, on_failure=self._on_failure),
                                 transport=self.transport)
+        # Precise mode's truth: the replicas' KV events (routing.kv_events), when any publish them.
+        self.kv_events: KVEvents | None = _make_kv_events(settings)
         self.policy: RoutingPolicy = self._make_policy(settings.routing)
         # Exact token ids per model (in process or from a render server), else approximate keys.
         self.tokenization = Tokenization(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
         self.redis = _redis(settings)
         secret = settings.server_secret.get_secret_value()
+        id_secret = settings.response_id_secret.get_secret_value() if settings.response_id_secret else secret
+        self.response_ids = ResponseIds(derive_id_key(id_secret))
         store = RedisTenantStore(self.redis, timeout_s=settings.redis_timeout_s) if self.redis else None
         self.hygiene = HygieneTracker()
         self.engine = PolicyEngine(
@@ -122,6 +140,7 @@ class Runtime:
         if self.settings.routing.dns_name:
             self.spawn(self._dns_loop())
         self._share_routing()
+        self.sync_kv_events()
         self.spawn(self.trends.run())
         if self.metrics.multiprocess_dir is not None:
             self.spawn(self.metrics.sync_loop(1.0))
@@ -133,6 +152,8 @@ class Runtime:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         await self.pool.stop()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
         if self.cache is not None:
             await self.cache.aclose()
         if self.routing_sync is not None:
@@ -149,7 +170,27 @@ class Runtime:
             # cannot follow: route as an instance that shares nothing.
             log.warning("routing.share_index needs redis_url; routing on this instance's knowledge only")
             routing = routing.model_copy(update={"share_index": False})
-        return make_policy(routing)
+        policy = make_policy(routing)
+        if isinstance(policy, CostModel):
+            policy.truth = self.kv_events
+        return policy
+
+    def sync_kv_events(self) -> None:
+        """Subscribe to the KV events of every replica in the pool that publishes them; drop the rest."""
+        if self.kv_events is None:
+            return
+        configured = {r.name: r for r in self.settings.replicas}
+        kv = self.settings.routing.kv_events
+        endpoints: dict[str, tuple[str, str | None]] = {}
+        for name, replica in self.pool.replicas.items():
+            spec = configured.get(name)
+            if spec is not None and spec.kv_events:
+                endpoints[name] = (spec.kv_events, spec.kv_events_replay)
+            elif replica.source == "dns" and kv.port is not None:
+                host = urlsplit(replica.url).hostname
+                endpoints[name] = (f"tcp://{host}:{kv.port}", f"tcp://{host}:{kv.replay_port}" if kv.replay_port
+                                   else None)
+        self.kv_events.sync(endpoints)
 
     def _share_routing(self) -> None:
         """Publish and apply routing facts through Redis while the policy shares them."""
@@ -200,6 +241,7 @@ class Runtime:
         for name, url in wanted.items():
             if name not in self.pool.replicas:
                 self.pool.add(name, url, source="dns")
+        self.sync_kv_events()
 
     # -- operator actions (admin API) --------------------------------------
     def is_tenant_key(self, key: str) -> bool:
@@ -211,6 +253,7 @@ class Runtime:
     async def add_replica(self, name: str, url: str, *, weight: float = 1.0, models: list[str] | None = None) -> None:
         replica = self.pool.add(name, url, weight=weight, models=models or (), source="admin")
         await self.pool.check(replica)
+        self.sync_kv_events()
 
     def set_routing(self, *, policy: str | None, epsilon: float | None) -> None:
         update: dict[str, Any] = {}
@@ -232,6 +275,13 @@ class Runtime:
             if hasattr(self.policy, counter):
                 out[counter] = getattr(self.policy, counter)
         out.update(self.routing_counts)
+        if self.kv_events is not None:
+            out["kv_events"] = self.kv_events.stats()
+            if not isinstance(self.policy, CostModel):
+                # Only the cost model reads the events; say so instead of claiming precision.
+                for row in out["kv_events"]["replicas"].values():
+                    row["mode"] = "approximate"
+                out["kv_events"]["note"] = "precise mode needs routing.policy: cost"
         configured = [m for r in self.settings.replicas for m in r.models]
         out["tokenization"] = self.tokenization.stats(configured + self.pool.models(healthy_only=False))
         if self.routing_sync is not None and isinstance(out.get("shared_facts"), dict):
@@ -282,6 +332,7 @@ class Runtime:
             # Loads the new directories before the old sources go, so no request sees neither.
             self.tokenization = await asyncio.to_thread(Tokenization(new.routing).load)
             await old.aclose()
+        self.sync_kv_events()
         return {"reloaded": True, "replicas": sorted(self.pool.replicas)}
 
     def status(self) -> dict[str, Any]:
@@ -321,6 +372,8 @@ class Runtime:
             degraded += self.cache.readiness()
         if self.routing_sync is not None and self.routing_sync.failing:
             degraded.append("routing facts: Redis unreachable, routing on this instance's knowledge")
+        if self.kv_events is not None:
+            degraded += self.kv_events.degraded()
         degraded += self.tokenization.degraded()
         if self.shutting_down:
             degraded.append("shutting down")

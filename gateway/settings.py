@@ -51,6 +51,21 @@ class ReplicaSettings(_Section):
     weight: float = Field(1.0, gt=0)
     # Sent as a bearer token to a replica started with --api-key; never logged.
     api_key: SecretStr | None = None
+    # The replica's KV events (vLLM --kv-events-config endpoint and replay_endpoint, as
+    # seen from kvgate): with them and token ids for the request, the cost model routes
+    # on what the replica really holds (routing.kv_events).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("tcp", "ipc") or (parts.scheme == "tcp" and not (parts.hostname and parts.port)):
+            raise ValueError("must be a ZMQ endpoint to connect to, e.g. tcp://10.0.0.11:5557")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -134,6 +149,9 @@ class Settings(_Section):
     pool: PoolSettings = Field(default_factory=PoolSettings)
     # Keys HMACs (cache_salt) and key hashes; set it in production so salts survive restarts.
     server_secret: SecretStr = SecretStr("kvgate-dev-secret-change-me")
+    # Keys the replica tag in the Responses ids kvgate returns (gateway/response_ids.py). Unset:
+    # derived from server_secret. Every instance of a fleet needs the same value.
+    response_id_secret: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Prompt text in logs only when this is explicitly on.
     log_prompts: bool = False

@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from .errors import GatewayError, sse_error_event
+
 _SEPARATORS = (b"\n\n", b"\r\n\r\n")
 
 
@@ -92,6 +94,10 @@ class StreamObserver:
             self.failure = "upstream sent an oversized SSE event"
             buf.clear()
         return bytes(out)
+
+    def error_event(self, err: GatewayError) -> bytes:
+        """The event that ends a stream kvgate cuts short, in the protocol's own shape."""
+        return sse_error_event(err)
 
     def finish(self) -> None:
         """Upstream closed. Anything left unterminated means the stream was cut."""

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 log = logging.getLogger("kvgate.stages")
-_CACHEABLE = ("chat", "completions")
+# Looked up by the cache (responses only to be bypassed, its reason counted in metrics).
+_CACHEABLE = ("chat", "completions", "responses")
 
 
 def authenticate(rt: "Runtime", headers: dict[str, str], query_string: bytes) -> "Tenant":

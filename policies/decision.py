@@ -5,9 +5,10 @@
   2. ``strip_client_fields``: fields no client may set never reach upstream;
   3. ``normalize_tools`` when the tenant opted in (before hygiene, so hygiene
      judges what upstream will actually render);
-  4. the tenant's ``cache_salt`` (chat and text completions only);
-  5. prompt hygiene of the final body (chat only; completions carry a raw
-     prompt with no message structure to find the boundary in).
+  4. the tenant's ``cache_salt`` (chat, text completions, responses and the pooling routes:
+     the routes whose vLLM request model has the field);
+  5. prompt hygiene of the final body (chat, and responses seen as chat; completions
+     carry a raw prompt with no message structure to find the boundary in).
 It performs no I/O and keeps no state; ``engine.PolicyEngine`` adds the rate
 limiter and the cross-request hygiene tracker around it.
 """
@@ -21,12 +22,15 @@ from typing import Any, Literal
 from .errors import ModelNotAllowed, PolicyError
 from .hygiene import PrefixWarning, analyze, warning_kinds
 from .normalize import normalize_tools
+from .responses_view import as_chat
 from .salt import apply_salt, strip_client_fields
 from .tenants import Tenant, allows_model
 
-Endpoint = Literal["chat", "completions", "embeddings", "other"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "other"]
 PREFIX_WARNING_HEADER = "x-kvgate-prefix-warning"
-_SALTED: frozenset[str] = frozenset({"chat", "completions"})
+# vLLM's pooling requests (rerank, score, pooling, classify) take cache_salt too
+# (PoolingBasicRequestMixin): a pooling model with prefix caching has the same side channel.
+_SALTED: frozenset[str] = frozenset({"chat", "completions", "responses", "rerank", "score", "pooling", "classify"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +92,7 @@ def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "c
     if endpoint in _SALTED:
         out = apply_salt(out, tenant.cache_salt)
     warnings: tuple[PrefixWarning, ...] = ()
-    if tenant.prompt_hygiene and endpoint == "chat":
-        warnings = tuple(analyze(out, boundary=boundary, marker=marker))
+    if tenant.prompt_hygiene and endpoint in ("chat", "responses"):
+        view = out if endpoint == "chat" else as_chat(out)
+        warnings = tuple(analyze(view, boundary=boundary, marker=marker))
     return PolicyDecision(tenant, out, warning_headers(warnings), warnings, stripped)

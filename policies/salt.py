@@ -65,8 +65,8 @@ def cache_salt(namespace: str, secret: str | bytes) -> str:
 def apply_salt(body: Mapping[str, Any], salt: str) -> dict[str, Any]:
     """A shallow copy of ``body`` with ``cache_salt`` set to ``salt``; the input is not modified.
 
-    Any client-supplied value is overwritten. Only chat and text completions
-    take a salt in vLLM (V1 engine); do not apply it to other endpoints.
+    Any client-supplied value is overwritten. Only the endpoints whose vLLM request
+    model has a ``cache_salt`` field take one (``decision._SALTED``); not tokenize or audio.
     """
     out = dict(body)
     out["cache_salt"] = salt

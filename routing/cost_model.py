@@ -56,6 +56,17 @@ index learns at decision time, not only when the answer returns.
 ``observe`` records that the serving replica now holds the whole prompt. With
 ``share_index``, the facts this instance learns are also told to the others
 (``routing.gossip``); they enter the index like its own.
+
+**Precise mode** (issue 16): when the request carries the token ids vLLM will
+prefill (``RouteRequest.token_ids``) and a replica's KV-event stream is live
+(``truth``, a ``routing.kv_events.KVEvents``), that replica's ``uncached`` is
+read from the truth: prompt tokens minus the longest consecutive prefix of the
+request's blocks it holds (``routing.token_keys`` over the token ids, salted
+like vLLM's first block) times the block size. Every instance subscribes to
+every replica, so they see the same blocks without talking; neither the
+approximate index nor the home presumption is consulted for such a replica.
+Replicas without a live stream keep the approximate figure, scaled to the
+same token count.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ from .base import ReplicaView, RouteFeedback, RouteRequest, load_now, reported
 from .block_index import BlockIndex
 from .gossip import HELD, PLACED, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
+from .kv_events import KVEvents
+from .token_keys import block_keys
 from .prefix_affinity import MAX_REPLICA_IDS, ReplicaBits
 from .rendezvous import rendezvous_order, within_bound
 from .settings import RoutingSettings
@@ -76,6 +89,9 @@ __all__ = ["CostModel"]
 
 # Where a request was sent, in its scratch: a retry elsewhere is news for ``observe``.
 _SENT = "kvgate.sent"
+# Its token-block keys (precise mode), and its entry among the requests in flight.
+_KEYS = "kvgate.block_keys"
+_PENDING = "kvgate.pending"
 
 
 class CostModel:
@@ -98,6 +114,9 @@ class CostModel:
         # Decisions, and how many left the key's home (for metrics and the benchmark).
         self.decisions = 0
         self.moved = 0
+        # Precise mode's source (set by the gateway when replicas publish KV events).
+        self.truth: KVEvents | None = None
+        self.precise_decisions = 0
 
     # -- RoutingPolicy -----------------------------------------------------------------
     def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
@@ -108,6 +127,8 @@ class CostModel:
         return self._rank(request, replicas, learn=False)
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        if self.truth is not None:
+            self.truth.done(request.scratch.pop(_PENDING, None))
         if not feedback.ok:
             return
         info = analyse(request, self.settings, self.keyer.chains)
@@ -131,7 +152,7 @@ class CostModel:
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided on its own."""
         out: dict[str, object] = {"decisions": self.decisions, "left_home": self.moved,
-                                  "index_entries": len(self.index)}
+                                  "index_entries": len(self.index), "precise_decisions": self.precise_decisions}
         if self.gossip is not None:
             out["shared_facts"] = {"published": self.gossip.published, "applied": self.gossip.applied,
                                    "pending": len(self.gossip)}
@@ -153,37 +174,74 @@ class CostModel:
         order = rendezvous_order(route.key, replicas, self._salts)
         now = [load_now(r) for r in order]
         fits = within_bound(now, [r.weight for r in order], self.settings.epsilon)
-        work = self._work(info, route, order)
+        keys = self._keys(request)
+        precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
+        work = self._work(info, route, order, precise, request)
         costs = [ahead + uncached for ahead, uncached in work]
         # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
         inside = sorted((i for i in range(len(order)) if fits[i]), key=lambda i: (costs[i], work[i][1], i))
         over = sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
         picks = inside + over
         if learn:
-            self._commit(request, info, route, order[picks[0]], work[picks[0]][1], order[0])
+            chosen = order[picks[0]]
+            self._commit(request, info, route, chosen, work[picks[0]][1], order[0])
+            if keys and self.truth is not None:
+                if chosen.name in precise:
+                    self.precise_decisions += 1
+                new = precise.get(chosen.name, 0.0) < len(keys)
+                request.scratch[_PENDING] = self.truth.sent(chosen.name, keys, new)
         return [order[i] for i in picks]
 
-    def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView]) -> list[tuple[float, float]]:
+    def _keys(self, request: RouteRequest) -> list[int]:
+        """The request's token-block keys, once per request; empty without token ids or truth."""
+        if self.truth is None:
+            return []
+        keys = request.scratch.get(_KEYS)
+        if keys is None:
+            tokens = request.token_ids
+            salt = request.body.get("cache_salt")
+            keys = block_keys(tokens, self.truth.block_size, salt if isinstance(salt, str) else None) \
+                if tokens else []
+            request.scratch[_KEYS] = keys
+        return keys  # type: ignore[no-any-return]
+
+    def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], precise: dict[str, float],
+              request: RouteRequest) -> list[tuple[float, float]]:
         """Per replica, in prompt tokens: (the work ahead of this request there, its own prefill there)."""
         prompt = len(info.rendered.data)
-        typical = self._work_sum / self.decisions if self.decisions else prompt / CHARS_PER_TOKEN
+        tokens = request.token_ids
+        # With the token ids known, every figure is in real tokens: the approximate
+        # index's share of the prompt is scaled to them.
+        scale = len(tokens) / prompt if tokens and prompt else 1.0 / CHARS_PER_TOKEN
+        block = self.truth.block_size if self.truth is not None else 0
+        typical = self._work_sum / self.decisions if self.decisions else prompt * scale
         # Replicas known to hold the key hold its prefix (another instance may have said
         # so, without the blocks); if none is, the home is presumed to (module doc).
         holders = self.index.holders(route.key)
         spans = info.rendered.spans
         context = max(route.cut, spans[-1].start if len(spans) > 1 else 0)
         presumed = 0.0 if holders else context * _others_share(order)
+        fleet_holds = any(precise.values())
         ahead, uncached = [], []
         for i, r in enumerate(order):
+            ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical)
+            if r.name in precise and tokens:
+                # The truth: what the replica's own events say it holds of this prompt. A
+                # prefix no replica holds yet is presumed at its home as in approximate mode
+                # (module doc), so instances that place it before any event agree on where.
+                held_tokens = precise[r.name] * block
+                if i == 0 and not fleet_holds:
+                    held_tokens = max(held_tokens, presumed * scale)
+                uncached.append(max(0.0, len(tokens) - held_tokens))
+                continue
             bit = self.bits.get(r.name)
             held = float(self.index.depth_of(info.hashes, bit) * info.block) if bit is not None and info.hashes else 0.0
             if bit is not None and holders >> bit & 1:
                 held = max(held, float(route.cut))
             elif i == 0:
                 held = max(held, presumed)
-            # Queued prefill: ours, and others' waiting requests weighed as average ones of ours.
-            ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical)
-            uncached.append(max(0.0, prompt - held) / CHARS_PER_TOKEN)
+            # Queued prefill: ours, and others' waiting requests weighed as average ones of ours (above).
+            uncached.append(max(0.0, prompt - held) * scale)
         # Prefill that the best-placed replica would not need is paid once by this request
         # and once more by every request in flight where it lands: each waits for, or
         # decodes around, that extra prefill step.

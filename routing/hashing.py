@@ -37,6 +37,11 @@ _MSG = b"\x1e"
 _HDR = b"\x1f"
 _FIELD = b"\x1d"
 
+# Text parts render as their text: chat's "text", the Responses API's input and output text.
+_TEXT_PARTS = ("text", "input_text", "output_text")
+# Keys of a Responses input item that never reach the engine (item ids, status).
+_ITEM_NOISE = ("id", "status")
+
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -110,7 +115,7 @@ def _put_content(w: _Writer, content: Any) -> None:
         if isinstance(part, str):
             w.put(_enc(part))
         elif isinstance(part, dict):
-            if part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            if part.get("type", "text") in _TEXT_PARTS and isinstance(part.get("text"), str):
                 w.put(_FIELD + b"text" + _HDR + _enc(part["text"]))
             else:
                 # Images, audio, files: their canonical JSON stands for their content.
@@ -169,12 +174,51 @@ def _put_prompt(w: _Writer, prompt: Any, role: str) -> None:
     w.spans.append(Span(role, start, w.pos))
 
 
+def _put_responses(w: _Writer, body: dict[str, Any]) -> None:
+    """A Responses request as the chat stream it becomes: instructions as the system
+    message, then the stored conversation (stood for by its id), then the input items.
+
+    So tools + instructions, the part agents keep stable, are the shared head; a
+    ``previous_response_id`` continues a history only its replica knows, so it
+    opens a span of its own after that head.
+    """
+    if isinstance(body.get("instructions"), str):
+        _put_message(w, {"role": "system", "content": body["instructions"]})
+    prev = body.get("previous_response_id")
+    if isinstance(prev, str):
+        start = w.pos
+        w.put(_MSG + b"previous_response" + _HDR + _enc(prev))
+        w.spans.append(Span("previous_response", start, w.pos))
+    items = body.get("input")
+    if isinstance(items, str):
+        _put_message(w, {"role": "user", "content": items})
+        return
+    if not isinstance(items, list):
+        return
+    for item in items:
+        if isinstance(item, dict) and item.get("type", "message") == "message" and "role" in item:
+            _put_message(w, item)
+        elif isinstance(item, dict):
+            # function_call, function_call_output, reasoning...: their canonical JSON,
+            # less the keys the engine never sees, under the item type as the role.
+            kind = item.get("type")
+            start = w.pos
+            w.put(_MSG + _enc(kind if isinstance(kind, str) else "item") + _HDR
+                  + _json({k: v for k, v in item.items() if k not in _ITEM_NOISE}))
+            w.spans.append(Span(kind if isinstance(kind, str) else "item", start, w.pos))
+        else:
+            _put_message(w, item)
+
+
 def render(endpoint: str, body: dict[str, Any]) -> Rendered:
-    """The canonical byte stream of a request body (chat, completions or embeddings)."""
+    """The canonical byte stream of a request body (chat, completions, embeddings or responses)."""
     w = _Writer()
     tools = body.get("tools")
     if isinstance(tools, list) and tools:
         _put_tools(w, tools)
+    if endpoint == "responses":
+        _put_responses(w, body)
+        return w.finish()
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:

@@ -71,6 +71,8 @@ _MIN_TRUST = 0.5
 MAX_REPLICA_IDS = 4096
 # Contexts whose last replica is remembered (about 1 MB): a fleet's active twins and chats.
 _MAX_CONTEXTS = 65_536
+# Endpoints whose requests come back as longer conversations (a completions prompt does not).
+_TURNS = ("chat", "responses")
 # Below these many requests over the mean, a replica is never skipped: at a few
 # requests per replica, such differences are Poisson noise, not imbalance.
 _STEADY_FLOOR = 2.0
@@ -164,10 +166,10 @@ class PrefixAffinity:
             return
         bit = self.bits.bit_for(feedback.replica, self.index)
         # The key this instance routed on (a peek if the request came another way),
-        # the request's context, and for chat its first turn (the context of its
+        # the request's context, and for conversations their first turn (the context of its
         # next turns; a completions prompt has no turns to come back to).
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
-        keys = dict.fromkeys((route.key, route.context) + ((route.capped,) if request.endpoint == "chat" else ()))
+        keys = dict.fromkeys((route.key, route.context) + ((route.capped,) if request.endpoint in _TURNS else ()))
         for key in keys:
             if self.gossip is not None and not self.index.holders(key) >> bit & 1:
                 self.gossip.note(HELD, key, feedback.replica)  # news to this instance, so to others

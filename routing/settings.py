@@ -13,6 +13,25 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class KVEventSettings(_Section):
+    """How kvgate consumes the replicas' KV events (endpoints: ``replicas[].kv_events``)."""
+
+    # Replicas found through dns_name publish on these ports of their address (vLLM's
+    # --kv-events-config endpoint / replay_endpoint ports). None: DNS replicas stay approximate.
+    port: int | None = Field(None, ge=1, le=65535)
+    replay_port: int | None = Field(None, ge=1, le=65535)
+    # Work that must store blocks was sent to a replica and no event came for this long:
+    # its stream is slow or lost, so it is routed on the approximate index until one does.
+    # Events follow a prefill step within milliseconds; seconds mean something is wrong.
+    stale_s: float = Field(5.0, gt=0)
+    # A block held in a lower tier (vLLM's CPU offload) saves its prefill but pays a copy
+    # back to the GPU first: without a measurement of that ratio on the fleet, half.
+    cpu_weight: float = Field(0.5, ge=0, le=1)
+    # Per replica, far above any real pool (2M blocks = 32M tokens at 16 per block): past it
+    # removals were lost, and the replica's entries are cleared and relearned.
+    max_blocks: int = Field(1 << 21, ge=1024)
+
+
 class RoutingSettings(_Section):
     policy: Literal["prefix_affinity", "least_load", "round_robin", "consistent_hash", "cost"] = "prefix_affinity"
     # "cost": the experimental cost model (routing.cost_model): one cost per replica
@@ -82,6 +101,8 @@ class RoutingSettings(_Section):
     # Re-resolve replicas from a headless-service DNS name, e.g. "vllm.ns.svc.cluster.local:8000".
     dns_name: str | None = None
     dns_interval_s: float = Field(10.0, gt=0)
+    # Precise mode's event streams (routing.kv_events; used by policy "cost").
+    kv_events: KVEventSettings = Field(default_factory=KVEventSettings)
 
     @field_validator("render_url")
     @classmethod

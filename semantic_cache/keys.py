@@ -175,6 +175,11 @@ def cache_request(endpoint: str, namespace: str, body: dict, headers: Mapping[st
         return bypass("disabled")
     if not enabled_for_tenant:
         return bypass("tenant_opt_out")
+    if endpoint == "responses":
+        # Addressable state, not just text: a stored response is retrieved and continued by
+        # its id on the replica that made it, and its output items carry ids of their own. A
+        # replayed answer would have neither, so the exact guarantees cannot hold (README).
+        return bypass("responses_stateful")
     if endpoint not in ("chat", "completions"):
         return bypass("unsupported_endpoint")
     if not isinstance(body, Mapping):

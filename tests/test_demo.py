@@ -24,14 +24,14 @@ _URL = re.compile(r"status page: (http://127\.0\.0\.1:(\d+)/#token=(\S+))")
 _BASE = re.compile(r"base URL (http://127\.0\.0\.1:(\d+)/v1)")
 
 
-def _start_demo(tmp: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start_demo(tmp: Path, *args: str, timeout: float = 30) -> tuple[subprocess.Popen[bytes], str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = tmp / "demo.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "demo", "--no-semantic-cache",
                                  "--replicas", "2", "--time-scale", "0", *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while not _URL.search(log.read_text()):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
@@ -117,3 +117,34 @@ def test_demo_moves_off_taken_ports_and_says_so(tmp_path: Path, demo_proc: list[
     finally:
         for s in held:
             s.close()
+
+
+def test_demo_precise_routes_on_the_replicas_kv_events(tmp_path: Path,
+                                                        demo_proc: list[subprocess.Popen[bytes]]) -> None:
+    proc, banner = _start_demo(tmp_path, "--port", str(free_port()), "--admin-port", str(free_port()),
+                               "--precise", timeout=180)  # three tokenizers load first (transformers)
+    demo_proc.append(proc)
+    assert "precise mode: KV events from every replica" in banner
+    page, _, token = _URL.search(banner).groups()  # type: ignore[union-attr]
+    base = _BASE.search(banner).group(1)  # type: ignore[union-attr]
+    _ready(base)
+    admin = page.split("#", 1)[0] + "admin/routing"
+    auth = {"authorization": f"Bearer {token}"}
+    deadline = time.monotonic() + 30
+    while not all(r["mode"] == "precise" for r in httpx.get(admin, headers=auth, timeout=5).json()
+                  ["kv_events"]["replicas"].values()):
+        assert time.monotonic() < deadline, "the replicas' event streams never went live"
+        time.sleep(0.1)
+    sdk = openai.OpenAI(base_url=base, api_key="demo", max_retries=0)
+    system = {"role": "system", "content": "You answer questions about caching. " * 40}
+    served = []
+    for question in ("What is prefix caching?", "What is a KV block?", "Why route by prefix?"):
+        raw = sdk.chat.completions.with_raw_response.create(
+            model="sim-model", max_tokens=2, messages=[system, {"role": "user", "content": question}])
+        raw.parse()
+        served.append(raw.headers["x-kvgate-replica"])
+        time.sleep(0.3)  # the replica's events for the shared system prompt arrive
+    assert len(set(served)) == 1  # every request follows the blocks the first one cached
+    stats = httpx.get(admin, headers=auth, timeout=5).json()
+    assert stats["policy"] == "cost" and stats["precise_decisions"] >= 2
+    assert stats["tokenization"]["models"]["sim-model"]["mode"] == "in-process"

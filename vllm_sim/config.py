@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from vllm_sim.faults import Faults
 from vllm_sim.timing import TimingModel
@@ -31,6 +32,21 @@ class SimConfig:
     name: str = "sim"
     # Seeds the fault dice so a faulty run can be replayed.
     seed: int = 0
+    # Block hash: the simulator's own (fast), or vLLM's sha256_cbor reproduced exactly
+    # (``--prefix-caching-hash-algo sha256_cbor``), seeded as vLLM seeds it: hash_seed,
+    # else PYTHONHASHSEED, else vLLM's fixed default (vllm_sim.vllm_hash).
+    kv_hash: Literal["sim", "sha256_cbor"] = "sim"
+    hash_seed: str | None = None
+    # Publish KV events as vLLM's --kv-events-config does (vllm_sim.kv_events):
+    # PUB endpoint, e.g. "tcp://*:5557", and the replay ROUTER endpoint.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = "kv-events"
+    kv_events_buffer: int = 10_000
+    # 64-bit hashes on the wire (vLLM's default), else the 32-byte digests.
+    kv_events_int_hashes: bool = True
+    # Events as arrays (vLLM before PR #42892) instead of tagged maps.
+    kv_events_legacy: bool = False
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.block_size < 1:

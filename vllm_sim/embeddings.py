@@ -19,7 +19,7 @@ from vllm_sim.protocol import resolve_model
 from vllm_sim.tokenizer import tokenize
 from vllm_sim.wire import ApiError
 
-__all__ = ["embed", "embeddings_response"]
+__all__ = ["embed", "embeddings_response", "input_token_ids"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -49,7 +49,7 @@ def _encode(vec: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(packed.tobytes()).decode()
 
 
-def _inputs(value: Any) -> list[list[int]]:
+def input_token_ids(value: Any) -> list[list[int]]:
     """Token ids per input: a string, a list of strings, token ids, or a list of token-id lists."""
     if isinstance(value, str):
         return [tokenize(value)]
@@ -73,7 +73,7 @@ def embeddings_response(body: dict[str, Any], config: SimConfig, rid: str, creat
     if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= config.embedding_dim:
         message = f"dimensions must be an integer in [1, {config.embedding_dim}]."
         raise ApiError(400, message, param="dimensions")
-    inputs = _inputs(body.get("input"))
+    inputs = input_token_ids(body.get("input"))
     data = []
     limit = config.max_model_len
     for i, ids in enumerate(inputs):

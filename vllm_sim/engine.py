@@ -26,9 +26,9 @@ import logging
 from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
-from vllm_sim.kv import Allocation, KVPool, block_hashes
+from vllm_sim.kv import Allocation, KVPool, PoolEvent
 from vllm_sim.reply import ReplyWriter, default_length, reply_seed
 from vllm_sim.stats import EngineStats
 from vllm_sim.timing import TimingModel
@@ -135,6 +135,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._deadline = 0.0
+        # Called after each step with what the pool cached and evicted in it (KV events),
+        # as vLLM's scheduler hands its events to the publisher once per step.
+        self.on_kv_events: Callable[[list[PoolEvent]], None] | None = None
 
     @property
     def num_running(self) -> int:
@@ -177,7 +180,7 @@ class Engine:
         if request.n < 1:
             raise ValueError("n must be >= 1")
         self.check_prompt(len(request.prompt_tokens))
-        hashes = block_hashes(request.prompt_tokens, self.pool.block_size, request.cache_salt)
+        hashes = self.pool.hash_prompt(request.prompt_tokens, request.cache_salt)
         gen = Generation(request, hashes)
         seqs = []
         for index in range(request.n):
@@ -243,7 +246,15 @@ class Engine:
             if decoding:
                 duration += self.timing.decode_step_time(len(self._running))
             await self._sleep_until_step_end(loop, duration)
+            self.publish_kv_events()
             self._emit_tokens()
+
+    def publish_kv_events(self) -> None:
+        """Hand the pool's cache changes to ``on_kv_events`` (blocks are computed once the step ends)."""
+        if self.on_kv_events is not None:
+            events = self.pool.take_events()
+            if events:
+                self.on_kv_events(events)
 
     def _admit(self) -> int:
         """Move waiting sequences to running while slots and blocks allow; returns prefill tokens."""
@@ -251,7 +262,8 @@ class Engine:
         while self._waiting and len(self._running) < self.timing.max_num_seqs:
             seq = self._waiting[0]
             gen = seq.gen
-            allocation = self.pool.allocate(gen.hashes, gen.prompt_tokens)
+            allocation = self.pool.allocate(gen.hashes, gen.prompt_tokens, gen.request.prompt_tokens,
+                                            gen.request.cache_salt)
             if allocation is None:
                 break  # FCFS: the head waits for blocks; nobody overtakes it
             self._waiting.popleft()

@@ -43,6 +43,8 @@ class Faults:
     html_200: bool = False
     # GET /health answers 503.
     unhealthy: bool = False
+    # The KV event PUB socket loses every batch (the replay buffer still keeps them).
+    kv_events_drop: bool = False
 
     @classmethod
     def from_json(cls, data: Any) -> Faults:
@@ -73,7 +75,7 @@ class Faults:
         die = self.die_after_tokens
         if die is not None and (not isinstance(die, int) or isinstance(die, bool) or die < 0):
             raise ValueError("die_after_tokens must be null or an integer >= 0")
-        for name in ("garbage", "html_200", "unhealthy"):
+        for name in ("garbage", "html_200", "unhealthy", "kv_events_drop"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
 

@@ -11,6 +11,12 @@ Eviction takes the least recently used cached block. A released request's
 blocks are queued tail first, so its long shared head outlives its tail,
 as in vLLM, and a cached prefix stays contiguous.
 
+With ``events`` on, the pool also records what it caches and evicts, in
+vLLM's terms (``BlockStored`` for each run of newly cached blocks with its
+parent and token ids, ``BlockRemoved`` per eviction, ``AllBlocksCleared`` on a
+reset) for ``vllm_sim.kv_events`` to publish; ``hasher`` picks the block hash
+(``vllm_sim.vllm_hash`` reproduces vLLM's sha256_cbor).
+
 Reuse rule (vLLM's): at least the last prompt token is always recomputed,
 because the engine needs its logits. A fully cached prompt of P tokens
 therefore reuses ``(P - 1) // block_size`` blocks: with a 32-token prompt seen
@@ -23,9 +29,12 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from hashlib import blake2b
-from typing import Sequence
+from typing import Callable, Sequence, Union
 
-__all__ = ["block_hashes", "KVPool", "Allocation"]
+__all__ = ["block_hashes", "KVPool", "Allocation", "Hasher", "Stored", "Removed", "Cleared", "PoolEvent"]
+
+# (token ids, block size, salt) -> one hash per full block.
+Hasher = Callable[[Sequence[int], int, Union[str, None]], list[bytes]]
 
 _ROOT = b"vllm_sim:root"
 _DIGEST = 16
@@ -49,6 +58,30 @@ def block_hashes(token_ids: Sequence[int], block_size: int = 16, salt: str | Non
     return out
 
 
+@dataclass(slots=True, frozen=True)
+class Stored:
+    """A run of newly cached blocks: ``parent`` is the hash of the block before the first (None at 0)."""
+
+    hashes: tuple[bytes, ...]
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    # The salt went into the first block's hash (the run starts at block 0).
+    salt: str | None
+
+
+@dataclass(slots=True, frozen=True)
+class Removed:
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Cleared:
+    pass
+
+
+PoolEvent = Union[Stored, Removed, Cleared]
+
+
 @dataclass(slots=True, eq=False)
 class Allocation:
     """The blocks one request holds; give it back with ``KVPool.release``."""
@@ -68,11 +101,15 @@ class Allocation:
 class KVPool:
     """A bounded pool of KV blocks with an LRU prefix cache; all operations are O(blocks touched)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, *, events: bool = False,
+                 hasher: Hasher | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._hasher: Hasher = hasher or block_hashes
+        # What changed since the last ``take_events``; None: not recorded.
+        self._events: list[PoolEvent] | None = [] if events else None
         self._refs: dict[bytes, int] = {}  # every hashed block, pinned or cached
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refs == 0, oldest first
         self._pinned = 0  # blocks in use by requests (hashed with refs > 0, plus anonymous)
@@ -94,6 +131,21 @@ class KVPool:
         """Blocks a new request could get: never used, or cached and evictable."""
         return self.num_blocks - self._pinned
 
+    @property
+    def records_events(self) -> bool:
+        return self._events is not None
+
+    def hash_prompt(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
+        """The full-block hashes of a prompt, with this pool's hash function."""
+        return self._hasher(token_ids, self.block_size, salt)
+
+    def take_events(self) -> list[PoolEvent]:
+        """The cache changes since the last call, oldest first (empty when not recorded)."""
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -107,12 +159,14 @@ class KVPool:
         return n
 
     # -- mutation ----------------------------------------------------------------------------
-    def allocate(self, hashes: list[bytes], total_tokens: int) -> Allocation | None:
+    def allocate(self, hashes: list[bytes], total_tokens: int, token_ids: Sequence[int] | None = None,
+                 salt: str | None = None) -> Allocation | None:
         """Pin the reusable prefix and allocate blocks for the rest of a ``total_tokens`` prompt.
 
         ``hashes`` are the prompt's full-block hashes (``block_hashes``). Returns None,
         changing nothing, when the blocks cannot be found even after evicting every
         cached block. Prefix-cache counters move only on success, once per admission.
+        ``token_ids`` and ``salt`` (the prompt's) are what a ``Stored`` event reports.
         """
         needed = self.blocks_for(total_tokens)
         hits = min(self.match(hashes), max(0, (total_tokens - 1) // self.block_size))
@@ -127,17 +181,35 @@ class KVPool:
         self._pinned += reused_free
         self._make_room(new)
         pinned = list(hashes[:hits])
-        for h in hashes[hits:needed]:
+        run_start = -1  # first block of the current run of newly cached blocks
+        for i in range(hits, min(needed, len(hashes))):
+            h = hashes[i]
             # Already present (the forced-recompute last block, or a block whose
             # parent was evicted): vLLM computes a fresh, unshared copy, so do we.
             if h not in self._refs:
                 self._refs[h] = 1
                 pinned.append(h)
+                if run_start < 0:
+                    run_start = i
+            elif run_start >= 0:
+                self._stored(hashes, run_start, i, token_ids, salt)
+                run_start = -1
+        if run_start >= 0:
+            self._stored(hashes, run_start, min(needed, len(hashes)), token_ids, salt)
         anonymous = new - (len(pinned) - hits)
         self._pinned += new
         self.queries_tokens += total_tokens
         self.hits_tokens += hits * self.block_size
         return Allocation(pinned, anonymous, hits, hits * self.block_size, total_tokens)
+
+    def _stored(self, hashes: Sequence[bytes], start: int, end: int, token_ids: Sequence[int] | None,
+                salt: str | None) -> None:
+        if self._events is None:
+            return
+        bs = self.block_size
+        tokens = tuple(token_ids[start * bs : end * bs]) if token_ids is not None else ()
+        self._events.append(Stored(tuple(hashes[start:end]), hashes[start - 1] if start else None, tokens,
+                                   salt if start == 0 else None))
 
     def grow(self, allocation: Allocation, new_tokens: int) -> bool:
         """Account ``new_tokens`` decoded tokens; False (nothing changed) if no block is left.
@@ -177,6 +249,11 @@ class KVPool:
         Blocks pinned by running requests stay (vLLM refuses a prefix-cache reset
         while requests run; the simulator resets what it can).
         """
+        if self._events is not None:
+            # vLLM reports a prefix-cache reset as one event (it refuses one while blocks
+            # are in use); with pinned blocks kept, only the dropped ones are removed.
+            self._events.append(Cleared() if not self._refs.keys() - self._evictable.keys()
+                                else Removed(tuple(self._evictable)))
         for h in self._evictable:
             del self._refs[h]
         self._evictable.clear()
@@ -187,6 +264,9 @@ class KVPool:
     def _make_room(self, blocks: int) -> None:
         # Callers checked that pinned + blocks fits, so evictable blocks suffice.
         free_now = self.num_blocks - self._pinned - len(self._evictable)
+        events = self._events
         for _ in range(max(0, blocks - free_now)):
             h, _ = self._evictable.popitem(last=False)
             del self._refs[h]
+            if events is not None:
+                events.append(Removed((h,)))

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import Engine
 from vllm_sim.faults import Faults, Verdict, decide
-from vllm_sim.kv import KVPool
+from vllm_sim.kv import Hasher, KVPool
+from vllm_sim.kv_events import KVEventPublisher
 from vllm_sim.stats import EngineStats
 
 __all__ = ["Replica"]
@@ -25,8 +26,17 @@ if TYPE_CHECKING:
 class Replica:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.pool = KVPool(config.num_gpu_blocks, config.block_size)
+        self.pool = KVPool(config.num_gpu_blocks, config.block_size, events=bool(config.kv_events),
+                           hasher=_hasher(config))
         self.engine = Engine(self.pool, config.timing)
+        self.publisher: KVEventPublisher | None = None
+        if config.kv_events:
+            self.publisher = KVEventPublisher(
+                config.kv_events, config.kv_events_replay, block_size=config.block_size,
+                topic=config.kv_events_topic, buffer_steps=config.kv_events_buffer,
+                int_hashes=config.kv_events_int_hashes, legacy=config.kv_events_legacy,
+                drop=lambda: self.faults.kv_events_drop)
+            self.engine.on_kv_events = self.publisher.publish
         # A copy: run-time changes (POST /sim/faults) must not write back into the caller's config.
         self.faults: Faults = replace(config.faults)
         self.rng = random.Random(config.seed)
@@ -57,9 +67,16 @@ class Replica:
     def reset(self) -> None:
         """Forget cached blocks and counters (POST /sim/reset); running requests keep their blocks."""
         self.pool.clear()
+        self.engine.publish_kv_events()
         self.engine.stats = EngineStats()
         self.http_requests = 0
         self.faulted = {}
+
+    def close(self) -> None:
+        """Release the event sockets (app shutdown), so a restarted replica can bind them again."""
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
 
     def stats(self) -> dict[str, Any]:
         engine, pool = self.engine, self.pool
@@ -79,4 +96,19 @@ class Replica:
             "num_gpu_blocks": pool.num_blocks,
             "block_size": pool.block_size,
             "name": self.config.name,
+            "kv_events_published": self.publisher.published if self.publisher else 0,
+            "kv_events_dropped": self.publisher.dropped if self.publisher else 0,
         }
+
+
+def _hasher(config: SimConfig) -> Hasher | None:
+    if config.kv_hash != "sha256_cbor":
+        return None
+    from vllm_sim.vllm_hash import vllm_block_hashes
+
+    seed = config.hash_seed
+
+    def hasher(token_ids: Any, block_size: int, salt: str | None) -> list[bytes]:
+        return vllm_block_hashes(token_ids, block_size, salt, seed)
+
+    return hasher

@@ -7,8 +7,10 @@ under ``httpx.ASGITransport``); the lifespan only stops it cleanly.
 
 Endpoints: ``GET /health`` (503 with the ``unhealthy`` fault), ``GET /version``,
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /v1/embeddings``, ``GET /metrics``; control plane: ``GET|POST /sim/faults``
-(POST replaces the whole fault set, ``{}`` clears it), ``GET /sim/stats``,
+``POST /v1/embeddings``, ``POST /v1/responses`` with ``GET /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` (``vllm_sim.responses``), ``GET /metrics``, the utility, pooling and audio
+routes of ``vllm_sim.utility_http`` (``/tokenize``, ``/rerank``, ``/v1/audio/transcriptions``, ...);
+control plane: ``GET|POST /sim/faults`` (POST replaces the whole fault set, ``{}`` clears it), ``GET /sim/stats``,
 ``POST /sim/reset`` (drops cached blocks and counters).
 """
 
@@ -34,6 +36,8 @@ from vllm_sim.handlers import GenerationEndpoint
 from vllm_sim.metrics import CONTENT_TYPE, render_metrics
 from vllm_sim.protocol import parse_generation, parse_json, prompt_tokens
 from vllm_sim.replica import Replica
+from vllm_sim.responses import ResponsesApi
+from vllm_sim.utility_http import utility_routes
 from vllm_sim.wire import ApiError, error_body
 
 __all__ = ["build_app"]
@@ -124,6 +128,8 @@ def _routes(replica: Replica) -> list[Route]:
     async def version(request: Request) -> Response:
         return _json({"version": "vllm_sim"})
 
+    responses = ResponsesApi(replica)
+
     return [
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
@@ -131,7 +137,13 @@ def _routes(replica: Replica) -> list[Route]:
         Route("/v1/chat/completions", GenerationEndpoint(replica, "chat"), methods=["POST"]),
         Route("/v1/completions", GenerationEndpoint(replica, "completions"), methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
+        # With a real tokenizer, vLLM's /tokenize answers with its ids (ahead of the
+        # utility routes' stand-in /tokenize, which serves otherwise).
+        *([Route("/tokenize", tokenize, methods=["POST"])] if replica.prompts is not None else []),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+        *utility_routes(replica),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sim/faults", get_faults, methods=["GET"]),
         Route("/sim/faults", set_faults, methods=["POST"]),
@@ -148,6 +160,7 @@ def build_app(config: SimConfig | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await replica.engine.aclose()
+        replica.close()
 
     app = Starlette(
         routes=_routes(replica),

@@ -20,7 +20,7 @@ import re
 import zlib
 from functools import lru_cache
 
-__all__ = ["tokenize", "count_tokens"]
+__all__ = ["tokenize", "count_tokens", "token_strs"]
 
 _PIECES = re.compile(r" ?\w+| ?[^\s\w]+|\s+(?!\S)|\s+")
 _WHOLE_MAX = 8
@@ -47,3 +47,14 @@ def tokenize(text: str) -> list[int]:
 def count_tokens(text: str) -> int:
     """Number of tokens ``tokenize(text)`` would return."""
     return sum(len(_piece_ids(piece)) for piece in _PIECES.findall(text))
+
+
+def token_strs(text: str) -> list[str]:
+    """The text of each token ``tokenize(text)`` returns, in order (joined, they give ``text``)."""
+    out: list[str] = []
+    for piece in _PIECES.findall(text):
+        if len(piece) <= _WHOLE_MAX:
+            out.append(piece)
+        else:
+            out.extend(piece[i : i + _CHUNK] for i in range(0, len(piece), _CHUNK))
+    return out

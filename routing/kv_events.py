@@ -1,0 +1,178 @@
+"""Precise mode's source of truth: every replica's KV events, one index, and what is still on its way.
+
+``KVEvents`` owns an ``EventStream`` per replica that publishes events (from
+``replicas[].kv_events`` or, for replicas found through DNS, from
+``routing.kv_events_port``), the ``KVEventIndex`` they feed, and a small
+overlay of this instance's own requests still in flight: a request sent a
+moment ago has not produced its events yet, and the next request with the same
+prefix should still find it. The overlay is this instance's only private
+knowledge; it lasts until the request is served (by then its blocks' events
+have been published) or ``pending_s``.
+
+The cost model asks ``held`` per request: the tier-weighted cached blocks of
+the request's prefix on every replica whose stream is ``live``. Replicas
+missing from the answer are routed on the approximate index; that is the
+degraded mode, reported in ``stats`` and ``degraded`` (``/readyz``), never an
+error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import zmq.asyncio
+
+from .kv_consumer import EventStream
+from .kv_index import KVEventIndex
+from .kv_wire import Batch
+
+__all__ = ["KVEvents", "Endpoints"]
+
+# (PUB endpoint, replay endpoint or None) per replica name.
+Endpoints = Mapping[str, "tuple[str, str | None]"]
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    keys: Sequence[int]
+    name: str
+    deadline: float
+    open: bool = True
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading keys two chains share: chained keys agree up to a point and never again, so bisect."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class KVEvents:
+    def __init__(self, block_size: int = 16, *, cpu_weight: float = 0.5, stale_s: float = 5.0,
+                 pending_s: float = 60.0, max_blocks: int = 1 << 21,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = KVEventIndex(block_size, cpu_weight=cpu_weight, max_blocks=max_blocks)
+        self.block_size = block_size
+        self.stale_s = stale_s
+        self.pending_s = pending_s
+        self._clock = clock
+        self.streams: dict[str, EventStream] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pending: dict[int, list[_Pending]] = {}  # first block's key -> requests in flight
+        self._queue: deque[_Pending] = deque()
+
+    # -- membership --------------------------------------------------------------------
+    def sync(self, endpoints: Endpoints) -> None:
+        """Subscribe to replicas that joined, forget the ones that left (needs a running loop)."""
+        for name in list(self.streams):
+            if name not in endpoints or (self.streams[name].endpoint, self.streams[name].replay_endpoint) \
+                    != tuple(endpoints[name]):
+                self._drop(name)
+        for name, (pub, replay) in endpoints.items():
+            if name not in self.streams:
+                if self._ctx is None:
+                    self._ctx = zmq.asyncio.Context()
+                stream = EventStream(name, pub, replay, self._apply, self.index.clear, ctx=self._ctx,
+                                     stale_s=self.stale_s, clock=self._clock)
+                self.streams[name] = stream
+                self._tasks[name] = asyncio.ensure_future(stream.run())
+
+    def _drop(self, name: str) -> None:
+        self.streams.pop(name, None)
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        self.index.remove_replica(name)
+
+    async def aclose(self) -> None:
+        tasks = list(self._tasks.values())
+        for name in list(self.streams):
+            self._drop(name)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _apply(self, name: str, batch: Batch) -> None:
+        self.index.apply(name, batch)
+
+    # -- what the cost model asks ----------------------------------------------------------
+    def live(self, name: str) -> bool:
+        stream = self.streams.get(name)
+        return stream is not None and stream.live
+
+    def held(self, keys: Sequence[int], names: Iterable[str]) -> dict[str, float]:
+        """Cached blocks of ``keys``' prefix per replica with a live stream (the others are absent)."""
+        live = [n for n in names if self.live(n)]
+        if not live or not keys:
+            return {n: 0.0 for n in live}
+        out = self.index.held(keys, live)
+        self._expire()
+        for entry in self._pending.get(keys[0], ()):
+            if entry.open and entry.name in out:
+                depth = _common_prefix(keys, entry.keys)
+                if depth > out[entry.name]:
+                    out[entry.name] = float(depth)
+        return out
+
+    def sent(self, name: str, keys: Sequence[int], new_blocks: bool) -> _Pending | None:
+        """A request with these block keys went to ``name``: hold it there until it is served."""
+        if not keys:
+            return None
+        stream = self.streams.get(name)
+        if stream is not None and new_blocks:
+            stream.expect()  # it will store blocks, so events must follow
+        self._expire()
+        entry = _Pending(keys, name, self._clock() + self.pending_s)
+        # Filed under the first block's key: only requests sharing it can share any block.
+        self._pending.setdefault(keys[0], []).append(entry)
+        self._queue.append(entry)
+        return entry
+
+    def done(self, entry: Any) -> None:
+        """The request was served (or given up): its prefix is now the events' to report."""
+        if isinstance(entry, _Pending) and entry.open:
+            entry.open = False
+            entries = self._pending.get(entry.keys[0])
+            if entries is not None:
+                entries.remove(entry)
+                if not entries:
+                    del self._pending[entry.keys[0]]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        queue = self._queue
+        while queue and (not queue[0].open or queue[0].deadline < now):
+            self.done(queue.popleft())
+
+    # -- reporting -------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        replicas = {}
+        for name, stream in sorted(self.streams.items()):
+            s = stream.stats()
+            replicas[name] = {"mode": "precise" if stream.live else "approximate", **s,
+                              "index": self.index.stats(name)}
+        return {"block_size": self.block_size, "index_blocks": len(self.index), "pending": len(self._queue),
+                "replicas": replicas}
+
+    def degraded(self) -> list[str]:
+        out = []
+        for name, stream in sorted(self.streams.items()):
+            if not stream.live:
+                out.append(f"kv events {name}: {stream.state}, routed on the approximate index")
+            idx = self.index.stats(name)
+            if idx.get("skipped", 0) > idx.get("stored", 0):
+                # Mostly blocks of another size: the replica's --block-size is not routing.block_size.
+                out.append(f"kv events {name}: {idx['skipped']} blocks skipped (block size is not "
+                           f"{self.block_size}?), the replica looks cold to precise routing")
+        return out

@@ -1,0 +1,200 @@
+"""Precise routing end to end: kvgate instances in front of simulated replicas that publish KV events.
+
+Real parts throughout: vllm_sim replicas under uvicorn with their ZMQ PUB and
+replay sockets, kvgate apps under uvicorn with the cost model and a real
+tokenizer directory for the model (so requests carry token ids), the OpenAI
+SDK as the client. Prompts are token-id completions, which the replicas
+prefill as sent, so the test knows exactly which blocks each one caches.
+
+* two instances that share nothing agree on every decision of a sequence, and
+  it is the truth they agree on (a prompt extending a cached one follows it);
+* a replica restarted mid-run is cleared and relearned, with no client error;
+* a cut event stream degrades that replica to the approximate index (reported
+  in /readyz and /admin/routing, still ready) and replay recovers it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from gateway.app import build_app
+from gateway.runtime import Runtime
+from gateway.settings import load_settings
+from policies import cache_salt
+from routing.base import RouteRequest
+from routing.token_keys import block_keys
+from tests.support.kv_sims import EventSim, token_prompt
+from tests.support.servers import ServerThread
+from tests.support.stack import MODEL
+from vllm_sim.tokenizer_dir import build_tokenizer_dir
+
+BS = 16
+SECRET = "kv-events-test-secret"
+SALT = cache_salt("default", SECRET)  # the open-mode tenant's salt, which kvgate sets on every request
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok") / "model")
+
+
+class Gateway:
+    def __init__(self, sims: list[EventSim], tokenizer_dir: Path, **routing: Any) -> None:
+        settings = load_settings(environ={}, overrides={
+            "replicas": [s.replica_settings() for s in sims],
+            "routing": {"policy": "cost", "tokenizers": {MODEL: str(tokenizer_dir)}, **routing},
+            "pool": {"health_interval_s": 60, "metrics_interval_s": 60},
+            "server_secret": SECRET,
+        })
+        self.server = ServerThread(build_app(settings, runtime=Runtime(settings))).start()
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="none", max_retries=0)
+
+    @property
+    def rt(self) -> Runtime:
+        return self.server.config.app.state.runtime  # type: ignore[no-any-return]
+
+    def peek(self, ids: list[int]) -> str:
+        """Where this instance would send the request now (the policy's side-effect-free ``peek``)."""
+        route = RouteRequest("completions", MODEL, "default",
+                             {"model": MODEL, "prompt": ids, "max_tokens": 1, "cache_salt": SALT}, token_ids=ids)
+        rt = self.rt
+        return rt.policy.peek(route, rt.pool.eligible(MODEL))[0].name  # type: ignore[attr-defined]
+
+    def send(self, ids: list[int]) -> str:
+        raw = self.client.completions.with_raw_response.create(model=MODEL, prompt=ids, max_tokens=1)
+        raw.parse()
+        return raw.headers["x-kvgate-replica"]
+
+    def held(self, ids: list[int], replica: str) -> float:
+        kv = self.rt.kv_events
+        assert kv is not None
+        return kv.index.held(block_keys(ids, BS, SALT), [replica])[replica]
+
+    def routing(self) -> dict[str, Any]:
+        return self.rt.routing_stats()
+
+    def readyz(self) -> httpx.Response:
+        return httpx.get(self.server.url + "/readyz", timeout=5)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def all_precise(g: Gateway) -> bool:
+    rows = g.routing()["kv_events"]["replicas"]
+    return bool(rows) and all(r["mode"] == "precise" for r in rows.values())
+
+
+@pytest.fixture
+def fleet() -> Iterator[list[EventSim]]:
+    sims = [EventSim(f"r{i}").start() for i in range(1, 4)]
+    try:
+        yield sims
+    finally:
+        for s in sims:
+            s.stop()
+
+
+def test_two_instances_that_share_nothing_agree_on_every_decision(fleet: list[EventSim], tokenizer_dir: Path) -> None:
+    a, b = Gateway(fleet, tokenizer_dir), Gateway(fleet, tokenizer_dir)
+    try:
+        wait(lambda: all_precise(a) and all_precise(b))
+        stems = [token_prompt(100 + f, 6)[: 6 * BS] for f in range(4)]
+        sequence = [stems[i % 4] + token_prompt(i, 1 + i % 3) for i in range(16)]
+        sequence += [sequence[i] + token_prompt(50 + i, 2) for i in range(4)]  # next turns of early requests
+        placed: dict[int, str] = {}
+        for i, ids in enumerate(sequence):
+            expected = a.peek(ids)
+            assert b.peek(ids) == expected, f"request {i}: the instances disagree"
+            via = a if i % 2 == 0 else b
+            assert via.send(ids) == expected
+            blocks = len(ids) // BS
+            wait(lambda ids=ids, at=expected, n=blocks: a.held(ids, at) == n and b.held(ids, at) == n)
+            placed[i] = expected
+            time.sleep(0.05)  # each instance's own prefill backlog drains (routing.backlog)
+        for i in range(4):
+            assert placed[16 + i] == placed[i]  # a next turn follows its cached prefix
+        assert len(set(placed.values())) > 1  # and the stems spread over the fleet
+        for g in (a, b):
+            stats = g.routing()
+            assert stats["precise_decisions"] >= 10
+            assert all(r["gaps"] == 0 for r in stats["kv_events"]["replicas"].values())
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_restarted_replica_is_cleared_then_relearned_with_no_client_error(
+        fleet: list[EventSim], tokenizer_dir: Path) -> None:
+    g = Gateway(fleet, tokenizer_dir)
+    try:
+        wait(lambda: all_precise(g))
+        warm: dict[str, list[int]] = {}
+        seed = 0
+        while len(warm) < 3 and seed < 200:  # one cached prompt on every replica
+            ids = token_prompt(1000 + seed, 4)
+            seed += 1
+            replica = g.send(ids)
+            warm.setdefault(replica, ids)
+        victim = fleet[1]
+        wait(lambda: g.held(warm[victim.name], victim.name) == 4)
+        victim.stop()
+        victim.start()  # same ports, empty cache, event sequence from 0
+        wait(lambda: g.routing()["kv_events"]["replicas"][victim.name]["reconnects"] >= 2 and all_precise(g))
+        assert g.held(warm[victim.name], victim.name) == 0  # cleared, not believed
+        for i in range(12):  # the stream relearns, and every request is answered
+            g.send(token_prompt(2000 + i, 3))
+        assert g.rt.kv_events is not None and g.rt.kv_events.index.size(victim.name) > 0
+        assert g.held(warm[fleet[0].name], fleet[0].name) == 4  # the others kept theirs
+    finally:
+        g.stop()
+
+
+def test_a_cut_stream_degrades_to_approximate_and_replay_recovers(fleet: list[EventSim], tokenizer_dir: Path) -> None:
+    g = Gateway(fleet, tokenizer_dir, kv_events={"stale_s": 0.3})
+    try:
+        wait(lambda: all_precise(g))
+        victim = fleet[0]
+        anyio.run(lambda: victim.faults(kv_events_drop=True))
+        lost = None
+        for i in range(60):  # until a request lands on the replica whose stream is cut
+            ids = token_prompt(3000 + i, 3)
+            if g.send(ids) == victim.name:
+                lost = ids
+                break
+        assert lost is not None
+        wait(lambda: g.routing()["kv_events"]["replicas"][victim.name]["mode"] == "approximate")
+        ready = g.readyz()
+        assert ready.status_code == 200  # degraded, not unready
+        assert any(f"kv events {victim.name}: stale" in d for d in ready.json()["degraded"])
+        metrics = httpx.get(g.server.url + "/metrics", timeout=5).text
+        assert f'kvgate_kv_events_precise{{replica="{victim.name}"}} 0.0' in metrics
+        assert f'kvgate_kv_events_precise{{replica="{fleet[1].name}"}} 1.0' in metrics
+        for i in range(6):
+            g.send(token_prompt(4000 + i, 2))  # served throughout, on the approximate index for the victim
+        anyio.run(lambda: victim.faults())
+        for i in range(60):  # the next batch from the victim jumps the sequence: the gap is replayed
+            if g.send(token_prompt(5000 + i, 2)) == victim.name:
+                break
+        wait(lambda: all_precise(g))
+        row = g.routing()["kv_events"]["replicas"][victim.name]
+        assert row["gaps_replayed"] == 1 and row["resets"] == 0
+        assert g.held(lost, victim.name) == 3  # the lost batch came back through replay
+        assert not any("kv events" in d for d in g.readyz().json()["degraded"])
+    finally:
+        g.stop()
