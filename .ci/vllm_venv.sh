@@ -3,10 +3,11 @@
 #
 # A plain `pip install vllm` pulls about 7 GB of CUDA wheels; this recipe takes the
 # CPU torch and vLLM without its dependencies, then the light packages its event,
-# hashing and render code imports (docs/anchors: verified on vLLM 0.33.0). Idempotent:
+# hashing and render code imports (verified with vLLM 0.33.0 on CPU). Idempotent:
 # a venv that already imports this vLLM is left alone. Prints the path of its Python.
+# (VLLM_VENV_DIR, not a KVGATE_ name: kvgate reads every KVGATE_* variable as a setting.)
 set -euo pipefail
-VENV="${KVGATE_VLLM_VENV:-/work/vllm-venv}"
+VENV="${VLLM_VENV_DIR:-/work/vllm-venv}"
 PY="$VENV/bin/python"
 if [ -x "$PY" ] && "$PY" -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.33.0")' >/dev/null 2>&1; then
     echo "$PY"

@@ -83,6 +83,9 @@ class Tokenization:
             source = self.sources.get(model)
             if isinstance(source, HFTokenSource):
                 row["tokenizer"] = source.tokenizer_dir
+                row["offloaded"] = source.offloaded
+                if source.cache is not None:
+                    row["segment_cache"] = source.cache.stats()
             if model in self.errors:
                 row["error"] = self.errors[model]
             out[model] = row

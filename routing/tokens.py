@@ -26,18 +26,21 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
+
+from .token_cache import MIN_SEGMENT_CHARS, SegmentCache, cut_points
 
 __all__ = ["TokenSource", "HFTokenSource", "INLINE_MAX_CHARS"]
 
 log = logging.getLogger("kvgate.routing")
 
-# Prompts up to this many characters are tokenized on the event loop; longer
-# ones in the tokenizer thread. A hop to a thread and back costs tens of
-# microseconds; below this size tokenizing costs about the same
-# (bench/tokenize.py), and above it the loop would be held for longer than the
-# hop costs.
-INLINE_MAX_CHARS = 2048
+_T = TypeVar("_T")
+
+# Text up to this many characters is tokenized on the event loop; more goes to the
+# tokenizer thread. A hop to a thread and back costs some tens of microseconds,
+# about what tokenizing this much text costs (WordPiece or BPE, a few characters
+# a microsecond): past it the loop would be held for longer than the hop costs.
+INLINE_MAX_CHARS = 512
 
 
 @runtime_checkable
@@ -51,6 +54,10 @@ class TokenSource(Protocol):
 # is one whose rendering vLLM decides differently (or rejects).
 _RESERVED_KWARGS = frozenset({"chat_template", "tokenize", "tools", "conversation", "messages",
                               "add_generation_prompt", "continue_final_message", "documents", "return_dict"})
+
+
+_BACKEND_PROBES = ("Hello, World! café 日本 🙂", "  leading and trailing  ", "a<|im_start|>b<|im_end|>\n[CLS]x",
+                   "line\n\nbreaks\ttabs")
 
 
 class _Unrenderable(Exception):
@@ -194,18 +201,36 @@ class HFTokenSource:
         self.failures = 0
         self.offloaded = 0
         self._truncating_tok: Any = None
+        # The Rust tokenizer behind a fast one, called directly for segments: the
+        # transformers wrapper costs more per call than a short segment's tokenization.
+        # Used only if it gives the wrapper's ids (checked here).
+        self._backend: Any = None
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and all(
+                backend.encode_batch([t], add_special_tokens=False)[0].ids
+                == list(self.tokenizer(t, add_special_tokens=False).input_ids) for t in _BACKEND_PROBES):
+            self._backend = backend
+        # Rendered chat prompts are cut after added tokens (<|im_end|>, ...) and the ids
+        # of long segments kept (routing.token_cache), when this tokenizer allows it.
+        self._cuts = cut_points(self.tokenizer, self._encode)
+        self.cache: SegmentCache | None = SegmentCache() if self._cuts is not None else None
 
     async def prompt_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         size = _size(endpoint, body)
         if size is None:
             return None
         try:
+            if endpoint == "chat" and self.cache is not None:
+                # Render and look the segments up here (cheap); tokenize what is new
+                # here or in the thread, by how much of it there is.
+                items, uncached = self._chat_plan(body)
+                if uncached <= self.inline_max_chars:
+                    return _keep_tail(self._finish(items), body)
+                return _keep_tail(await self._offload(self._finish, items), body)
             truncating = endpoint == "completions" and body.get("truncate_prompt_tokens") is not None
             if size <= self.inline_max_chars and not truncating:
                 return self._ids(endpoint, body)
-            self.offloaded += 1
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self._ids, endpoint, body)
+            return await self._offload(self._ids, endpoint, body)
         except _Unrenderable:
             return None
         except Exception:  # a template error or a body vLLM would reject: route approximately
@@ -213,14 +238,20 @@ class HFTokenSource:
             log.debug("tokenization failed; routing approximately", exc_info=True)
             return None
 
+    async def _offload(self, fn: Callable[..., _T], *args: Any) -> _T:
+        self.offloaded += 1
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        """Synchronous ``prompt_ids`` (benchmarks, the simulator): same answer, on the calling thread."""
+        """Synchronous ``prompt_ids`` (benchmarks, tests): same answer, on the calling thread."""
         try:
             return self._ids(endpoint, body)
         except Exception:
             return None
 
     def _ids(self, endpoint: str, body: dict[str, Any]) -> list[int]:
+        if endpoint == "chat" and self.cache is not None:
+            return _keep_tail(self._finish(self._chat_plan(body)[0]), body)
         if endpoint == "chat":
             return _keep_tail(self._chat_ids(body), body)
         if endpoint == "completions":
@@ -228,7 +259,69 @@ class HFTokenSource:
         raise _Unrenderable(endpoint)
 
     def _chat_ids(self, body: dict[str, Any]) -> list[int]:
-        tok = self.tokenizer
+        # Without the segment cache: as vLLM's renderer calls it (renderers/hf.py safe_apply_chat_template):
+        # tokenized by the template call itself, so no BOS is added a second time.
+        conversation, tools, kwargs = self._template_args(body)
+        ids = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True, return_dict=False,
+                                                 **kwargs)
+        return list(ids)
+
+    def _chat_plan(self, body: dict[str, Any]) -> tuple[list[Any], int]:
+        """The rendered prompt as cached ids (tuples) and [text, cache key or None] still to tokenize,
+        and how many characters those hold.
+
+        The same ids as ``_chat_ids``: the template's text tokenized without special
+        tokens, piece by piece at cut points (``routing.token_cache``)."""
+        assert self.cache is not None and self._cuts is not None
+        conversation, tools, kwargs = self._template_args(body)
+        text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
+        if not isinstance(text, str):
+            raise _Unrenderable("template output")
+        items: list[Any] = []
+        uncached = 0
+        pending = start = 0  # text[pending:start] is short segments not yet handed on
+        for end in [*self._cuts.ends(text), len(text)]:
+            if end - start >= MIN_SEGMENT_CHARS:
+                if pending < start:
+                    items.append([text[pending:start], None])
+                    uncached += start - pending
+                segment = text[start:end]
+                key = self.cache.key(segment)
+                cached = self.cache.get(key)
+                if cached is None:
+                    items.append([segment, key])
+                    uncached += len(segment)
+                else:
+                    items.append(cached)
+                pending = end
+            start = end
+        if pending < len(text):
+            items.append([text[pending:], None])
+            uncached += len(text) - pending
+        return items, uncached
+
+    def _finish(self, items: list[Any]) -> list[int]:
+        assert self.cache is not None
+        out: list[int] = []
+        for item in items:
+            if isinstance(item, list):
+                segment, key = item
+                ids = self._encode(segment)
+                if key is not None:
+                    self.cache.put(key, ids)
+                out.extend(ids)
+            else:
+                out.extend(item)
+        return out
+
+    def _encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            # encode_batch, not encode: only the batch call lets go of the GIL while the
+            # Rust code runs, so the event loop goes on serving during a long segment.
+            return self._backend.encode_batch([text], add_special_tokens=False)[0].ids  # type: ignore[no-any-return]
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _template_args(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:
         template = self.chat_template
         if template is None or body.get("chat_template") is not None:
             # A request-supplied template is refused by vLLM unless the operator trusts it.
@@ -245,14 +338,13 @@ class HFTokenSource:
         for name in ("documents", "reasoning_effort"):
             if body.get(name) is not None:
                 kwargs[name] = body[name]
+        if body.get("reasoning_effort") is not None and "enable_thinking" not in extra:
+            # vLLM turns thinking on for templates that need asking (Qwen3, Gemma 4) unless told "none".
+            kwargs["enable_thinking"] = body["reasoning_effort"] != "none"
         conversation = _conversation(body.get("messages"))
         if not self.template_has_developer and any(m["role"] == "developer" for m in conversation):
             conversation = _developer_as_system(conversation)
-        # As vLLM's renderer calls it (renderers/hf.py safe_apply_chat_template):
-        # tokenized by the template call itself, so no BOS is added a second time.
-        ids = tok.apply_chat_template(conversation, tools=body.get("tools") or None, tokenize=True,
-                                      return_dict=False, **kwargs)
-        return list(ids)
+        return conversation, body.get("tools") or None, kwargs
 
     def _completion_ids(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")

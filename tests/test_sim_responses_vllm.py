@@ -2,7 +2,7 @@
 
 The JSON is collected here (a real sim on a real port, requests as the gateway
 sends them) and validated by a short script run under a Python that has the
-``vllm`` package: ``$KVGATE_VLLM_PYTHON``, else ``/work/vllm-venv/bin/python``
+``vllm`` package: ``$VLLM_VENV_PYTHON``, else ``/work/vllm-venv/bin/python``
 (CI installs it). Without one the test skips and says so. Beyond validation
 (vLLM's models accept extra fields), the sim must not emit a key vLLM's models
 do not have.
@@ -59,7 +59,7 @@ sys.exit(1 if problems else 0)
 
 
 def _vllm_python() -> str | None:
-    candidate = os.environ.get("KVGATE_VLLM_PYTHON") or "/work/vllm-venv/bin/python"
+    candidate = os.environ.get("VLLM_VENV_PYTHON") or "/work/vllm-venv/bin/python"
     return candidate if Path(candidate).is_file() and os.access(candidate, os.X_OK) else None
 
 
@@ -79,7 +79,7 @@ def _events(raw: str) -> list[dict[str, Any]]:
 def test_sim_responses_match_vllm_models(tmp_path: Path) -> None:
     python = _vllm_python()
     if python is None:
-        pytest.skip("no Python with vllm installed (set KVGATE_VLLM_PYTHON or create /work/vllm-venv)")
+        pytest.skip("no Python with vllm installed (set VLLM_VENV_PYTHON or create /work/vllm-venv)")
     sim = ServerThread(build_sim(sim_config("r1"))).start()
     try:
         url = sim.url + "/v1/responses"

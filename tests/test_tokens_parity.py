@@ -77,6 +77,7 @@ CHATS: dict[str, dict[str, Any]] = {
                                                {"role": "assistant", "content": None},
                                                {"role": "user", "content": "again"}]},
     "truncated_chat": {"truncate_prompt_tokens": 5, "messages": [{"role": "user", "content": "a b c d e f g"}]},
+    "reasoning_effort": {"reasoning_effort": "low", "messages": [{"role": "user", "content": "think"}]},
     "unknown_fields_and_kwargs": {"chat_template_kwargs": {"enable_thinking": False},
                                   "messages": [{"role": "user", "content": "x", "metadata": {"a": 1}}]},
 }
@@ -148,6 +149,17 @@ def test_a_4k_token_chat_equals_vllm_render(server: RenderServer, source: HFToke
     assert source.offloaded >= 1, "a prompt this long is tokenized off the event loop"
 
 
+def test_ids_from_the_segment_cache_equal_vllm_render(server: RenderServer, source: HFTokenSource) -> None:
+    """Requests sharing a long system prompt take its ids from the cache: still vLLM's ids."""
+    assert source.cache is not None
+    system = long_chat(2048)["messages"][0]["content"]
+    hits = source.cache.hits
+    for question in ("First question?", "Second question, with tools.", "Third: ünïcödé"):
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        assert ours(source, "chat", body) == server.render("chat", body)
+    assert source.cache.hits >= hits + 2
+
+
 def test_the_render_client_returns_the_servers_ids(server: RenderServer) -> None:
     async def run() -> tuple[list[int] | None, list[int] | None, list[int] | None]:
         client = RenderTokenSource(server.url, timeout_s=30)
@@ -176,3 +188,49 @@ def test_any_text_chat_equals_vllm_render(server: RenderServer, source: HFTokenS
                                           messages: list[dict[str, Any]]) -> None:
     body = {"messages": messages}
     assert ours(source, "chat", body) == server.render("chat", body)
+
+
+# The simulator renders what kvgate's benchmarks send; developer-role folding and
+# prompt truncation are the gateway's concern, not the fake's.
+SIM_SKIPS = {"developer_role", "truncated_chat", "truncated", "truncated_left", "truncated_right", "truncated_ids"}
+
+
+@pytest.fixture(scope="module")
+def sim(tokdir: Path) -> Iterator[str]:
+    from tests.support.servers import ServerThread
+    from vllm_sim.config import SimConfig
+    from vllm_sim.server import build_app
+
+    server = ServerThread(build_app(SimConfig(name="sim-tok", tokenizer=str(tokdir)))).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def _sim_ids(sim: str, body: dict[str, Any]) -> list[int]:
+    import httpx
+
+    r = httpx.post(sim + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("case", sorted(set(CHATS) - SIM_SKIPS))
+def test_simulator_chat_ids_equal_vllm_render(server: RenderServer, sim: str, case: str) -> None:
+    assert _sim_ids(sim, CHATS[case]) == server.render("chat", CHATS[case])
+
+
+@pytest.mark.parametrize("case", sorted(set(COMPLETIONS) - SIM_SKIPS))
+def test_simulator_completion_ids_equal_vllm_render(server: RenderServer, sim: str, case: str) -> None:
+    assert _sim_ids(sim, COMPLETIONS[case]) == server.render("completions", COMPLETIONS[case])
+
+
+def test_simulator_prefills_the_rendered_ids(server: RenderServer, sim: str) -> None:
+    """A generation request is charged for exactly vLLM's prompt: usage.prompt_tokens matches."""
+    import httpx
+
+    body = long_chat(4096)
+    r = httpx.post(sim + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(server.render("chat", body))

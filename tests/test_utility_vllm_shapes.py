@@ -2,7 +2,7 @@
 
 The test bodies themselves are validated by vLLM's request models too, so what
 the gateway's tests send is what a real vLLM accepts. Needs a python that
-imports vLLM (``KVGATE_VLLM_PYTHON``, or the venv at /work/vllm-venv); skips
+imports vLLM (``VLLM_VENV_PYTHON``, or the venv at /work/vllm-venv); skips
 with a message otherwise.
 """
 
@@ -29,7 +29,7 @@ MODEL = "sim-model"
 
 def _vllm_python() -> str | None:
     # A local lookup until tests/support/vllm_env.py (branch ``tokens``) lands: same skip rule.
-    for candidate in (os.environ.get("KVGATE_VLLM_PYTHON"), "/work/vllm-venv/bin/python"):
+    for candidate in (os.environ.get("VLLM_VENV_PYTHON"), "/work/vllm-venv/bin/python"):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return candidate
     return None
@@ -110,7 +110,7 @@ async def _collect() -> list[tuple[str, Any]]:
 def test_sim_utility_shapes_match_vllm_protocol_models(tmp_path: Path) -> None:
     python = _vllm_python()
     if python is None:
-        pytest.skip("no python with vLLM installed (set KVGATE_VLLM_PYTHON or create /work/vllm-venv)")
+        pytest.skip("no python with vLLM installed (set VLLM_VENV_PYTHON or create /work/vllm-venv)")
     pairs = asyncio.run(_collect())
     data = tmp_path / "shapes.json"
     data.write_text(json.dumps(pairs))

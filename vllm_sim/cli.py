@@ -28,14 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=d.num_gpu_blocks, help="KV cache size in blocks")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="Hugging Face tokenizer directory with a chat template: tokenize as vLLM would "
+                             "(default: the built-in stand-in)")
     parser.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for the fault dice")
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--prefix-caching-hash-algo", dest="kv_hash", choices=("sim", "sha256_cbor"),
                         default=d.kv_hash, help="block hash; sha256_cbor reproduces vLLM's (seed: PYTHONHASHSEED)")
     parser.add_argument("--hash-seed", default=None, help="NONE_HASH seed in place of PYTHONHASHSEED")
-    parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="tokenize with this Hugging Face tokenizer directory and chat template, as vLLM does")
     events = parser.add_argument_group("KV events (vLLM's --kv-events-config, as flags)")
     events.add_argument("--kv-events", default=None, metavar="ENDPOINT", help='PUB endpoint, e.g. "tcp://*:5557"')
     events.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help='replay ROUTER, e.g. "tcp://*:5558"')
@@ -82,13 +83,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         garbage=args.garbage, html_200=args.html_200, unhealthy=args.unhealthy,
     )
     return SimConfig(
-        host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]),
+        host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]), tokenizer=args.tokenizer,
         num_gpu_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
         timing=timing, embedding_dim=args.embedding_dim, faults=faults, name=args.name, seed=args.seed,
         kv_hash=args.kv_hash, hash_seed=args.hash_seed, kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
         kv_events_buffer=args.kv_events_buffer, kv_events_int_hashes=not args.kv_events_bytes_hashes,
-        kv_events_legacy=args.kv_events_legacy, tokenizer=args.tokenizer,
+        kv_events_legacy=args.kv_events_legacy,
     )
 
 

@@ -23,6 +23,10 @@ class SimConfig:
     max_model_len: int = 32768
     timing: TimingModel = field(default_factory=TimingModel)
     embedding_dim: int = 64
+    # A Hugging Face tokenizer directory (vllm_sim.tokenizer_dir builds one): prompts are
+    # rendered and tokenized as vLLM would (vllm_sim.hf_tokenizer) instead of by the
+    # built-in stand-in. vLLM's own flag is --tokenizer too.
+    tokenizer: str | None = None
     faults: Faults = field(default_factory=Faults)
     # Reported in the ``x-sim-replica`` header of every response.
     name: str = "sim"
@@ -43,9 +47,6 @@ class SimConfig:
     kv_events_int_hashes: bool = True
     # Events as arrays (vLLM before PR #42892) instead of tagged maps.
     kv_events_legacy: bool = False
-    # Tokenize with a Hugging Face tokenizer directory and its chat template, as vLLM
-    # does (vllm_sim.tokenizer_dir builds one), instead of the simulator's own tokenizer.
-    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.block_size < 1:

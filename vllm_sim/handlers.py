@@ -28,6 +28,7 @@ from vllm_sim.faults import Faults, fault_reply
 from vllm_sim.protocol import (
     GenerationParams, Kind, parse_generation, parse_json, prompt_tokens, resolve_max_tokens,
 )
+from vllm_sim.hf_tokenizer import HFPrompts
 from vllm_sim.replica import Replica
 
 __all__ = ["GenerationEndpoint"]
@@ -119,9 +120,9 @@ class GenerationEndpoint:
     def _params(self, body: dict[str, Any]) -> GenerationParams:
         return parse_generation(self.kind, body, self.replica.config)
 
-    async def _prompt_ids(self, body: dict[str, Any]) -> list[int] | None:
-        """vLLM's exact prompt ids from the replica's real tokenizer, when it has one."""
-        return await self.replica.tokens.prompt_ids(self.kind, body)
+    def _prompts(self) -> HFPrompts | None:
+        """The replica's real tokenizer and chat template, when it has one (vLLM's exact ids)."""
+        return self.replica.prompts
 
     def _format(self, params: GenerationParams, request: GenRequest) -> _Format:
         return _Format(params, request.request_id)
@@ -129,13 +130,8 @@ class GenerationEndpoint:
     async def _prepare(self, raw: bytes, faults: Faults) -> tuple[GenRequest, _Format, bool]:
         """Validate and tokenize; raises ``ApiError`` with vLLM's status and wording."""
         config, engine = self.replica.config, self.replica.engine
-        body = parse_json(raw)
-        params = self._params(body)
-        tokens = await prompt_tokens(params)
-        if self.replica.tokens is not None:
-            ids = await self._prompt_ids(body)
-            if ids:
-                tokens = ids
+        params = self._params(parse_json(raw))
+        tokens = await prompt_tokens(params, self._prompts())
         max_tokens = resolve_max_tokens(params, len(tokens), config)
         try:
             engine.check_prompt(len(tokens))

@@ -37,6 +37,7 @@ from vllm_sim.engine import GenRequest, Generation, TokenEvent
 from vllm_sim.faults import fault_reply
 from vllm_sim.handlers import GenerationEndpoint, _Format
 from vllm_sim.protocol import GenerationParams, parse_json, resolve_model
+from vllm_sim.hf_tokenizer import HFPrompts
 from vllm_sim.replica import Replica
 from vllm_sim.template import render_chat
 from vllm_sim.tokenizer import tokenize
@@ -244,7 +245,7 @@ class MessagesEndpoint(GenerationEndpoint):
     def _params(self, body: dict[str, Any]) -> GenerationParams:
         return _params(body, self.replica)
 
-    async def _prompt_ids(self, body: dict[str, Any]) -> list[int] | None:
+    def _prompts(self) -> HFPrompts | None:
         return None  # the real-tokenizer source renders chat bodies only: the simulator's own ids here
 
     def _format(self, params: GenerationParams, request: GenRequest) -> _Format:

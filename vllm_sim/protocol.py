@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Callable, Literal
 
 import orjson
 
 from vllm_sim.config import SimConfig
+from vllm_sim.hf_tokenizer import HFPrompts
 from vllm_sim.template import render_chat
 from vllm_sim.tokenizer import tokenize
 from vllm_sim.wire import ApiError
@@ -38,6 +40,8 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    # The request as sent, for a real tokenizer's chat template (HFPrompts).
+    body: dict[str, Any] | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -91,18 +95,29 @@ def parse_generation(kind: Kind, body: dict[str, Any], config: SimConfig) -> Gen
     return GenerationParams(
         kind=kind, model=model, prompt_text=text, prompt_ids=ids, max_tokens=max_tokens,
         n=n or 1, stream=bool(stream), include_usage=bool(options and options.get("include_usage")),
-        cache_salt=salt,
+        cache_salt=salt, body=body,
     )
 
 
-async def prompt_tokens(params: GenerationParams) -> list[int]:
-    """The prompt's token ids; long texts are tokenized in a worker thread to keep the loop free."""
+async def prompt_tokens(params: GenerationParams, prompts: HFPrompts | None = None) -> list[int]:
+    """The prompt's token ids; long texts are tokenized in a worker thread to keep the loop free.
+
+    With ``prompts`` (a real tokenizer), chat requests go through its chat template
+    and completions text through its tokenizer; otherwise the built-in stand-in."""
     if params.prompt_ids is not None:
         return params.prompt_ids
     text = params.prompt_text or ""
+    if prompts is not None:
+        body = params.body or {}
+        if params.kind == "chat":
+            work: Callable[[], list[int]] = partial(prompts.chat, body)
+        else:
+            work = partial(prompts.completion, text, body)
+    else:
+        work = partial(tokenize, text)
     if len(text) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(tokenize, text)
-    return tokenize(text)
+        return await asyncio.to_thread(work)
+    return work()
 
 
 def resolve_max_tokens(params: GenerationParams, num_prompt: int, config: SimConfig) -> int | None:

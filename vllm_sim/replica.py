@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import Engine
@@ -18,6 +18,9 @@ from vllm_sim.kv_events import KVEventPublisher
 from vllm_sim.stats import EngineStats
 
 __all__ = ["Replica"]
+
+if TYPE_CHECKING:
+    from vllm_sim.hf_tokenizer import HFPrompts
 
 
 class Replica:
@@ -34,13 +37,6 @@ class Replica:
                 int_hashes=config.kv_events_int_hashes, legacy=config.kv_events_legacy,
                 drop=lambda: self.faults.kv_events_drop)
             self.engine.on_kv_events = self.publisher.publish
-        # The prompt ids vLLM would prefill (routing.tokens.HFTokenSource, held to vLLM's own
-        # render server by the parity tests); None: the simulator's own tokenizer.
-        self.tokens: Any = None
-        if config.tokenizer:
-            from routing.tokens import HFTokenSource
-
-            self.tokens = HFTokenSource(config.tokenizer)
         # A copy: run-time changes (POST /sim/faults) must not write back into the caller's config.
         self.faults: Faults = replace(config.faults)
         self.rng = random.Random(config.seed)
@@ -48,6 +44,12 @@ class Replica:
         # what a test counts to check that a gateway retried, or never forwarded.
         self.http_requests = 0
         self.faulted: dict[str, int] = {}
+        # The real tokenizer when configured (seconds to load: once, here), else the stand-in.
+        self.prompts: HFPrompts | None = None
+        if config.tokenizer:
+            from vllm_sim.hf_tokenizer import HFPrompts
+
+            self.prompts = HFPrompts(config.tokenizer)
 
     def roll_faults(self) -> tuple[Faults, Verdict]:
         """Count an API request and decide its whole-response fault, with the faults in force now.

@@ -36,7 +36,7 @@ from vllm_sim.faults import Faults, fault_reply
 from vllm_sim.handlers import GenerationEndpoint
 from vllm_sim.messages import CountTokensEndpoint, MessagesEndpoint
 from vllm_sim.metrics import CONTENT_TYPE, render_metrics
-from vllm_sim.protocol import parse_json
+from vllm_sim.protocol import parse_generation, parse_json, prompt_tokens
 from vllm_sim.replica import Replica
 from vllm_sim.responses import ResponsesApi
 from vllm_sim.utility_http import utility_routes
@@ -115,6 +115,18 @@ def _routes(replica: Replica) -> list[Route]:
         replica.reset()
         return _json(replica.stats())
 
+    async def tokenize(request: Request) -> Response:
+        # vLLM's /tokenize: {"prompt": ...} or {"messages": ...}; the ids a generation
+        # request with the same fields would prefill.
+        try:
+            payload = parse_json(await request.body())
+            params = parse_generation("chat" if "messages" in payload else "completions", payload, config)
+            tokens = await prompt_tokens(params, replica.prompts)
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        return _json({"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens,
+                      "token_strs": None})
+
     async def version(request: Request) -> Response:
         return _json({"version": "vllm_sim"})
 
@@ -129,6 +141,9 @@ def _routes(replica: Replica) -> list[Route]:
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/messages", MessagesEndpoint(replica), methods=["POST"]),
         Route("/v1/messages/count_tokens", CountTokensEndpoint(replica), methods=["POST"]),
+        # With a real tokenizer, vLLM's /tokenize answers with its ids (ahead of the
+        # utility routes' stand-in /tokenize, which serves otherwise).
+        *([Route("/tokenize", tokenize, methods=["POST"])] if replica.prompts is not None else []),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
