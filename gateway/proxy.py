@@ -136,23 +136,7 @@ class ProxyEndpoint:
         attempt = await self._open(route, call, ctx)
         try:
             replica = attempt.replica
-            exchange.add_header("x-kvgate-replica", replica.name)
-            if attempt.retries:
-                rt.metrics.retries.inc()
-            decision = "retried" if attempt.retries else "first_choice"
-            rt.metrics.routing.labels(decision).inc()
-            rt.routing_counts[decision] += 1
-            response = attempt.response
-            if response.status_code != 200:
-                raise await read_error_body(response, replica)
-            try:
-                outcome = await self._relay(ctx, exchange, attempt.response)
-            except (UpstreamError, UpstreamTimeout):
-                # The replica failed us before the first byte (garbage, text/html, silence):
-                # that counts towards ejection, as Envoy counts the 502/504s it generates itself.
-                rt.pool.record_failure(replica)
-                raise
-            rt.pool.record_success(replica) if outcome.failure is None else rt.pool.record_failure(replica)
+            outcome = await self._forward(ctx, exchange, attempt)
             if self.endpoint != "count_tokens":  # counting prefills nothing: the replica holds no new blocks
                 rt.policy.observe(route, RouteFeedback(
                     replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
@@ -161,6 +145,29 @@ class ProxyEndpoint:
             return replica.name, outcome
         finally:
             await attempt.close()
+
+    async def _forward(self, ctx: RequestContext, exchange: Exchange, attempt: Any) -> Outcome:
+        """The replica's answer relayed to the client, and the replica's health told what it did."""
+        rt = self.rt
+        replica = attempt.replica
+        exchange.add_header("x-kvgate-replica", replica.name)
+        if attempt.retries:
+            rt.metrics.retries.inc()
+        decision = "retried" if attempt.retries else "first_choice"
+        rt.metrics.routing.labels(decision).inc()
+        rt.routing_counts[decision] += 1
+        response = attempt.response
+        if response.status_code != 200:
+            raise await read_error_body(response, replica)
+        try:
+            outcome = await self._relay(ctx, exchange, response)
+        except (UpstreamError, UpstreamTimeout):
+            # The replica failed us before the first byte (garbage, text/html, silence):
+            # that counts towards ejection, as Envoy counts the 502/504s it generates itself.
+            rt.pool.record_failure(replica)
+            raise
+        rt.pool.record_success(replica) if outcome.failure is None else rt.pool.record_failure(replica)
+        return outcome
 
     # Per-protocol hooks: a protocol with its own body rules or routing overrides these.
     def _validate(self, body: dict[str, Any]) -> str:

@@ -38,12 +38,12 @@ from routing import LeastLoad, RouteRequest
 from . import stages
 from .asgi_io import Exchange, Receive, Scope, read_body
 from .context import RequestContext
-from .errors import BadRequest, UpstreamError, UpstreamTimeout
+from .errors import BadRequest, UpstreamError
 from .proxy import ProxyEndpoint
 from .relay import Outcome, read_raw, relay_stream, relay_whole
 from .sse import StreamObserver
 from .transport import UPSTREAM_HEADERS
-from .upstream import UpstreamCall, open_upstream, read_error_body
+from .upstream import UpstreamCall, open_upstream
 from .utility_validate import audio_body, validate_utility
 from .validate import parse_json
 
@@ -134,21 +134,7 @@ class UtilityEndpoint(ProxyEndpoint):
         attempt = await open_upstream(rt.pool, _BY_LOAD, route, call, rt.replica_keys)
         try:
             replica = attempt.replica
-            exchange.add_header("x-kvgate-replica", replica.name)
-            if attempt.retries:
-                rt.metrics.retries.inc()
-            decision = "retried" if attempt.retries else "first_choice"
-            rt.metrics.routing.labels(decision).inc()
-            rt.routing_counts[decision] += 1
-            response = attempt.response
-            if response.status_code != 200:
-                raise await read_error_body(response, replica)
-            try:
-                outcome = await self._relay(ctx, exchange, response)
-            except (UpstreamError, UpstreamTimeout):
-                rt.pool.record_failure(replica)
-                raise
-            rt.pool.record_success(replica) if outcome.failure is None else rt.pool.record_failure(replica)
+            outcome = await self._forward(ctx, exchange, attempt)
             stages.after_response(rt, ctx, replica.name, outcome)
             return replica.name, outcome
         finally:
