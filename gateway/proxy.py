@@ -197,8 +197,10 @@ class ProxyEndpoint:
         m = self.rt.metrics
         m.requests.labels(self.endpoint, str(status), replica, tenant).inc()
         m.latency.labels(self.endpoint).observe(elapsed)
-        if outcome is not None and outcome.ttft_s is not None:
-            m.ttft.labels(self.endpoint).observe(outcome.ttft_s)
+        ttft = outcome.ttft_s if outcome is not None else None
+        if ttft is not None:
+            m.ttft.labels(self.endpoint).observe(ttft)
+        self.rt.endpoint_stats.record(self.endpoint, status, elapsed, ttft)
         if log.isEnabledFor(logging.INFO):
             extra: dict[str, Any] = {"request_id": rid, "endpoint": self.endpoint, "status": status,
                                      "replica": replica, "tenant": tenant, "duration_ms": round(elapsed * 1000, 2)}

@@ -23,6 +23,7 @@ from routing.cost_model import CostModel
 from routing.kv_events import KVEvents
 from routing.tokenization import Tokenization
 
+from .endpoint_stats import EndpointStats
 from . import redis_client
 from .metrics import Metrics
 from .routing_sync import RoutingSync
@@ -108,6 +109,7 @@ class Runtime:
             boundary_marker=settings.routing.boundary_marker)
         self.cache: SemanticCache | None = None
         self.tenant_stats = TenantStats()
+        self.endpoint_stats = EndpointStats()
         self.trends = Trends(self.metrics, interval_s=settings.admin.trend_interval_s,
                              samples=settings.admin.trend_samples)
         self.routing_counts = {"first_choice": 0, "retried": 0}
@@ -340,6 +342,7 @@ class Runtime:
         warned = {name: t["requests_with_warnings"] for name, t in report["tenants"].items()}
         tenants = [{**row, "warnings": warned.get(row["name"], 0)} for row in self.tenant_stats.rows()]
         return {"replicas": snapshot(self.pool), "tenants": tenants, "totals": self.tenant_stats.totals(),
+                "endpoints": self.endpoint_stats.rows(),
                 "hygiene": report, "cache": self.cache_stats(), "routing": self.routing_stats(),
                 "ready": self.readiness()[1], "workers": self.workers()}
 

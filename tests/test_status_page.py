@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -47,6 +48,10 @@ def test_status_page_renders_in_headless_chromium(tmp_path: Path) -> None:
         assert stack.wait_for(lambda: len(samples) >= 4 and any(s.ttft_p95_s is not None for s in samples)
                               and any(s.prefix_hit_rate for s in samples))
         assert stack.admin is not None
+        status = httpx.get(f"{stack.admin.url}/admin/status", headers={"authorization": f"Bearer {TOKEN}"},
+                           timeout=10).json()
+        chat = next(e for e in status["endpoints"] if e["endpoint"] == "chat")
+        assert chat["requests"] == 15 and chat["server_errors"] == 0 and chat["mean_ttft_s"] > 0, status["endpoints"]
         shot = tmp_path / "status.png"
         profile = tempfile.mkdtemp(prefix="kvgate-chromium-")
         common = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -57,6 +62,7 @@ def test_status_page_renders_in_headless_chromium(tmp_path: Path) -> None:
         subprocess.run([*common, f"--screenshot={shot}", url], capture_output=True, timeout=90, check=False)
         assert "r1" in dom.stdout and "r2" in dom.stdout, dom.stdout[-2000:]
         assert "acme" in dom.stdout and "timestamp" in dom.stdout  # the hygiene warning shows
+        assert re.search(r"<code>chat</code></td>\s*<td>15</td>", dom.stdout), dom.stdout[-3000:]  # the endpoints table
         # Three trend lines, each drawn from at least one sample, as an SVG path.
         lines = re.findall(r'<svg class="spark" data-key="(\w+)" data-points="(\d+)".*?<path class="line" d="([^"]*)"',
                            dom.stdout)
