@@ -16,6 +16,8 @@ they are measured in turn, cell by cell.
     python -m bench.overhead --policy round_robin prefix_affinity --prompt-tokens 4096 --repeat 3
                                              # what routing adds, per policy, at concurrency 1:
                                              # a 200-word and a ~4K-token system prompt, a short user turn
+    python -m bench.overhead --policy round_robin cost --prompt-tokens 4096 --repeat 3 --pin
+                                             # the same with kvgate on a core of its own (see --pin)
 
 Each kvgate routes over ``--replicas`` replicas (default 4, names on the one
 upstream), so a policy has a choice to make. ``--repeat R`` measures every
@@ -271,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoints", nargs="+", choices=sorted(ENDPOINTS), default=["chat"],
                    help="routes measured side by side, each cell in turn")
     p.add_argument("--repeat", type=int, default=1, help="measure each cell this often; print medians")
+    p.add_argument("--pin", action="store_true",
+                   help="kvgate on the last core, the upstream and this load generator on the others: on loopback "
+                        "a write wakes its reader, and on a shared core the writer waits inside write() for it")
     args = p.parse_args(argv)
     if args.concurrency is None:
         args.concurrency = [1] if args.policy else [256] if args.workers != [1] else [1, 32, 256]
@@ -286,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gateways = {t.label: start_gateway(t, up_port, args.replicas) for t in targets[1:]}
         procs += gateways.values()
+        if args.pin:
+            _pin([p.pid for p in gateways.values()], procs[0].pid)
         run_cells(args, targets, {label: proc.pid for label, proc in gateways.items()})
     finally:
         for proc in procs:
@@ -293,6 +300,20 @@ def main(argv: list[str] | None = None) -> int:
         for proc in procs:
             proc.wait(30)
     return 0
+
+
+def _pin(gateway_pids: list[int], upstream_pid: int) -> None:
+    """Each kvgate (all its threads) on the last core; the upstream and this process elsewhere."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        print("--pin: one core only, not pinned", file=sys.stderr)
+        return
+    for pid in gateway_pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), {cores[-1]})
+    for tid in os.listdir(f"/proc/{upstream_pid}/task"):
+        os.sched_setaffinity(int(tid), set(cores[:-1]))
+    os.sched_setaffinity(0, set(cores[:-1]))
 
 
 if __name__ == "__main__":

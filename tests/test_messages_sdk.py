@@ -71,11 +71,14 @@ def test_stream_relays_text_deltas_and_final_usage(stack: Stack) -> None:
 
 
 def test_usage_feeds_the_same_metrics_as_chat(stack: Stack) -> None:
-    before = stack.runtime.tenant_stats.row("b").cached_tokens
+    start = stack.runtime.tenant_stats.row("b")
+    before, asked = start.cached_tokens, start.requests
     b = _client(stack, "sk-b")
     system = f"Account {uuid.uuid4().hex}. " + SYSTEM
     _ask(b, system)
     second = _ask(b, system)
+    # Counted once the answer is relayed, just after the client has read its last byte.
+    assert stack.wait_for(lambda: stack.runtime.tenant_stats.row("b").requests >= asked + 2)
     row = stack.runtime.tenant_stats.row("b")
     assert row.cached_tokens - before == second.usage.cache_read_input_tokens > 0
     metrics = httpx.get(stack.url + "/metrics", timeout=5).text

@@ -250,7 +250,9 @@ def test_replica_dying_mid_stream_ends_with_an_error_event() -> None:
         assert kinds.count("response.output_text.delta") == 5, "the tokens sent before the failure arrive"
         assert kinds[-1] == "error" and "response.completed" not in kinds and "response.incomplete" not in kinds
         assert events[-1].sequence_number == events[-2].sequence_number + 1
-        assert stack.runtime.pool.replicas["r1"].failures >= 1, "a cut stream counts against the replica"
+        # Recorded once the relay returns, just after the client has read the last byte.
+        assert stack.wait_for(lambda: stack.runtime.pool.replicas["r1"].failures >= 1), \
+            "a cut stream counts against the replica"
     finally:
         stack.close()
 
