@@ -85,6 +85,25 @@ def _usage(gen: Generation) -> dict[str, Any]:
     return wire.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
 
 
+
+async def open_request(replica: Replica, receive: Receive, sender: Sender,
+                       too_large: dict[str, Any]) -> tuple[bytes, Faults] | None:
+    """Every POST's opening: the body, then the replica's fault roll. None: already answered
+    (413 with ``too_large``, a fault's reply) or the client went away."""
+    try:
+        raw = await read_body(receive)
+    except ClientDisconnected:
+        return None
+    except BodyTooLarge:
+        await sender.json(413, too_large)
+        return None
+    faults, verdict = replica.roll_faults()
+    if verdict is not None:
+        status, headers, body = fault_reply(verdict, faults)
+        await sender.full(status, body, headers[0][1], headers[1:])
+        return None
+    return raw, faults
+
 class GenerationEndpoint:
     """The ASGI app behind one generation route."""
 
@@ -94,18 +113,11 @@ class GenerationEndpoint:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         sender = Sender(send)
-        try:
-            raw = await read_body(receive)
-        except ClientDisconnected:
+        opened = await open_request(self.replica, receive, sender,
+                                    wire.error_body("Request body too large.", "BadRequestError", None, 413))
+        if opened is None:
             return
-        except BodyTooLarge:
-            await sender.json(413, wire.error_body("Request body too large.", "BadRequestError", None, 413))
-            return
-        faults, verdict = self.replica.roll_faults()
-        if verdict is not None:
-            status, headers, body = fault_reply(verdict, faults)
-            await sender.full(status, body, headers[0][1], headers[1:])
-            return
+        raw, faults = opened
         try:
             request, fmt, stream = await self._prepare(raw, faults)
         except wire.ApiError as exc:

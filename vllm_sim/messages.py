@@ -32,10 +32,9 @@ from typing import Any
 import orjson
 
 from vllm_sim import wire
-from vllm_sim.asgi import BodyTooLarge, ClientDisconnected, Receive, Send, Sender, read_body
+from vllm_sim.asgi import Receive, Send, Sender
 from vllm_sim.engine import GenRequest, Generation, TokenEvent
-from vllm_sim.faults import fault_reply
-from vllm_sim.handlers import GenerationEndpoint, _Format
+from vllm_sim.handlers import GenerationEndpoint, _Format, open_request
 from vllm_sim.protocol import GenerationParams, parse_json, resolve_model
 from vllm_sim.hf_tokenizer import HFPrompts
 from vllm_sim.replica import Replica
@@ -260,18 +259,11 @@ class CountTokensEndpoint:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         sender = Sender(send)
-        try:
-            raw = await read_body(receive)
-        except ClientDisconnected:
+        opened = await open_request(self.replica, receive, sender,
+                                    anthropic_error(413, "Request body too large."))
+        if opened is None:
             return
-        except BodyTooLarge:
-            await sender.json(413, anthropic_error(413, "Request body too large."))
-            return
-        faults, verdict = self.replica.roll_faults()
-        if verdict is not None:
-            status, headers, body = fault_reply(verdict, faults)
-            await sender.full(status, body, headers[0][1], headers[1:])
-            return
+        raw, faults = opened
         try:
             payload = parse_json(raw)
             _model(payload, self.replica)

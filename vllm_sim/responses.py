@@ -26,9 +26,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vllm_sim import wire
-from vllm_sim.asgi import BodyTooLarge, ClientDisconnected, Receive, Send, Sender, read_body, run_until_disconnect
+from vllm_sim.asgi import Receive, Send, Sender, run_until_disconnect
 from vllm_sim.engine import GenRequest, PromptTooLong
-from vllm_sim.faults import Faults, fault_reply
+from vllm_sim.faults import Faults
+from vllm_sim.handlers import open_request
 from vllm_sim.protocol import GenerationParams, parse_json, prompt_tokens, resolve_max_tokens, resolve_model
 from vllm_sim.replica import Replica
 from vllm_sim.responses_wire import Shape, event, response_usage
@@ -100,18 +101,11 @@ class ResponsesApi:
     # -- POST /v1/responses --------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         sender = Sender(send)
-        try:
-            raw = await read_body(receive)
-        except ClientDisconnected:
+        opened = await open_request(self.replica, receive, sender,
+                                    wire.error_body("Request body too large.", "BadRequestError", None, 413))
+        if opened is None:
             return
-        except BodyTooLarge:
-            await sender.json(413, wire.error_body("Request body too large.", "BadRequestError", None, 413))
-            return
-        faults, verdict = self.replica.roll_faults()
-        if verdict is not None:
-            status, headers, body = fault_reply(verdict, faults)
-            await sender.full(status, body, headers[0][1], headers[1:])
-            return
+        raw, faults = opened
         try:
             job = await self._prepare(raw, faults)
         except wire.ApiError as exc:
