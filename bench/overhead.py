@@ -16,7 +16,7 @@ they are measured in turn, cell by cell.
     python -m bench.overhead --policy round_robin prefix_affinity --prompt-tokens 4096 --repeat 3
                                              # what routing adds, per policy, at concurrency 1:
                                              # a 200-word and a ~4K-token system prompt, a short user turn
-    python -m bench.overhead --policy round_robin cost --prompt-tokens 4096 --repeat 3 --pin
+    python -m bench.overhead --policy round_robin prefix_affinity --prompt-tokens 4096 --repeat 3 --pin
                                              # the same with kvgate on a core of its own (see --pin)
 
 Each kvgate routes over ``--replicas`` replicas (default 4, names on the one

@@ -43,7 +43,6 @@ from pathlib import Path
 
 from routing import RoutingSettings
 from routing.consistent_hash import ConsistentHash
-from routing.cost_model import CostModel
 from routing.keys import PrefixKeyer
 from routing.least_load import LeastLoad
 from routing.membership import key_movement
@@ -70,17 +69,16 @@ POLICIES: dict[str, PolicyFactory] = {
     "llm-d": lambda clock: LLMDScorers(),
     "kubeai_chwbl": lambda clock: KubeAICHWBL(),
     "prefix_affinity": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
-    "cost": lambda clock: CostModel(PA_SETTINGS, clock),
     REFERENCE: lambda clock: BoundedReference(),
 }
 # A fact published to a Redis stream reaches the other instances' blocking reads
 # about this much later (a loopback round trip and the publisher's batching).
 SHARE_DELAY_S = 0.05
 # Policies also run as several independent gateway instances (no shared state).
-MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity", "cost")
+MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity")
 # Precise mode (issue 16): policies reading the replicas' KV events, with no other shared state.
 PRECISE: dict[str, PolicyFactory] = {
-    "cost precise": lambda clock: CostModel(PA_SETTINGS, clock),
+    "prefix_affinity precise": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
     "llm-d precise": lambda clock: LLMDPrecise(),
     "sglang event-driven": lambda clock: SGLangEventDriven(),
 }
@@ -197,8 +195,8 @@ def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
         rep.rows.append(Row(f"prefix_affinity x{args.instances}, shared index", stats, ideal, rep.reference))
         _progress(w.name, f"prefix_affinity x{args.instances} shared index", stats)
     for label in args.precise:
-        for n in args.precise_instances if label == "cost precise" else [max(args.precise_instances)]:
-            # Only the cost model is compared with the single-instance figure; the peers run at the largest count.
+        for n in args.precise_instances if label == "prefix_affinity precise" else [max(args.precise_instances)]:
+            # Only kvgate's policy is compared with the single-instance figure; the peers run at the largest count.
             stats = simulate(w, PRECISE[label], replace(base, instances=n, kv_events=True, agreement=n > 1))
             rep.rows.append(Row(f"{label} x{n}", stats, ideal, rep.reference))
             _progress(w.name, f"{label} x{n}", stats)
@@ -226,7 +224,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precise", nargs="*", default=list(PRECISE), choices=list(PRECISE),
                    help="precise-mode policies (KV events) to run; none: skip")
     p.add_argument("--precise-instances", type=int, nargs="+", default=[1, 4, 8],
-                   help="instance counts for the cost model's precise rows (the peers run at the largest)")
+                   help="instance counts for prefix_affinity's precise rows (the peers run at the largest)")
     p.add_argument("--load", type=float, default=0.7, help="fleet utilisation at the ideal hit ratio")
     p.add_argument("--clients", type=int, default=0,
                    help="closed loop: this many clients, each sending its next request when the last completes")

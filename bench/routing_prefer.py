@@ -1,6 +1,6 @@
 """What a routing decision costs in process: ``prefer`` + ``observe`` per policy, on one chat request shape.
 
-    .venv/bin/python -m bench.routing_prefer                     # round_robin, prefix_affinity, cost; 4K tokens
+    .venv/bin/python -m bench.routing_prefer                     # round_robin, prefix_affinity; 4K tokens
     .venv/bin/python -m bench.routing_prefer --prompt-tokens 282 --requests 5000
 
 The request is ``bench.overhead``'s: a support assistant's system prompt of
@@ -20,7 +20,6 @@ import statistics
 import time
 
 from routing import RouteFeedback, RouteRequest, RoutingSettings
-from routing.cost_model import CostModel
 from routing.prefix_affinity import PrefixAffinity
 from routing.round_robin import RoundRobin
 
@@ -30,7 +29,6 @@ from .routing_sim import SimView
 POLICIES = {
     "round_robin": lambda: RoundRobin(),
     "prefix_affinity": lambda: PrefixAffinity(RoutingSettings()),
-    "cost": lambda: CostModel(RoutingSettings()),
 }
 
 

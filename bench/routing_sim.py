@@ -21,7 +21,7 @@ calls ``observe`` with the engine's real ``cached_tokens``.
 With ``kv_events`` the replicas publish KV events as vLLM does (``vllm_sim.kv``
 records them, ``vllm_sim.kv_events`` encodes each step's batch in vLLM's wire
 format, ``routing.kv_wire`` decodes it) and every instance's ``truth`` (a
-policy attribute: the cost model's precise mode, the peers' precise rules)
+policy attribute: prefix_affinity's precise mode, the peers' precise rules)
 reads one index fed by them ``event_delay_s`` after the step that stored the
 blocks; the instances share no other state. Their index is one object because
 it is identical by construction (each instance applies the same batches in the

@@ -50,7 +50,7 @@ from .workloads.generated import FAMILIES, Family, build, layout
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE_POLICIES = ["round_robin", "least_load", "consistent_hash", "sglang_cache_aware", "llm-d", "kubeai_chwbl",
-                  "prefix_affinity", "cost", REFERENCE]
+                  "prefix_affinity", REFERENCE]
 QUICK_SECONDS = 20.0
 MIN_REQUESTS, MAX_REQUESTS = 40, 40_000
 _PROBE = 150  # requests built to estimate a family's request rate before sizing the run

@@ -57,7 +57,8 @@ _SCHEMAS: dict[str, Any] = {
         "older_than_s": {"type": "number", "minimum": 0, "nullable": True}}},
     "RoutingIn": {"type": "object", "additionalProperties": False, "properties": {
         "policy": {"type": "string", "nullable": True,
-                   "enum": ["prefix_affinity", "least_load", "round_robin", "consistent_hash", "cost"]},
+                   "enum": ["prefix_affinity", "least_load", "round_robin", "consistent_hash", "cost"],
+                   "description": "cost: the former name of prefix_affinity"},
         "epsilon": {"type": "number", "minimum": 0, "maximum": 10, "nullable": True}}},
     "TenantIn": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
         "name": _NAME, "namespace": {**_NAME, "nullable": True},

@@ -9,7 +9,7 @@ already taken is replaced by a free one, and the banner says so.
 ``--precise``: the replicas tokenize with a real tokenizer directory (built
 from the MiniLM package, ``vllm_sim.tokenizer_dir``) and publish KV events in
 vLLM's format; kvgate tokenizes with the same directory and routes with the
-cost model on what the replicas report holding (``GET /admin/routing`` shows
+prefix affinity on what the replicas report holding (``GET /admin/routing`` shows
 each replica's mode).
 """
 
@@ -125,7 +125,7 @@ async def run_demo(port: int = PUBLIC_PORT, replicas: int = 3, time_scale: float
         servers.append(make_server(build_sim(cfg), "127.0.0.1", sim_port))
         entries.append({"name": name, "url": f"http://127.0.0.1:{sim_port}", "models": [MODEL],
                         "kv_events": pub, "kv_events_replay": replay})
-    routing: dict[str, Any] = {"policy": "cost", "tokenizers": {MODEL: tokenizer}} if precise else {}
+    routing: dict[str, Any] = {"tokenizers": {MODEL: tokenizer}} if precise else {}
     if precise:
         notes.append(f"precise mode: KV events from every replica, token ids from {tokenizer}")
     settings = load_settings(overrides={

@@ -101,7 +101,7 @@ class _CacheCollector(Collector):
 
 
 class _PolicyCollector(Collector):
-    """How the routing policy chose: the hash order, or the block index overriding it."""
+    """How prefix affinity chose: the key's home (its rendezvous first choice), or elsewhere by cost."""
 
     def __init__(self, policy: Callable[[], Any]) -> None:
         self._policy = policy
@@ -109,13 +109,13 @@ class _PolicyCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         policy = self._policy()
         family = CounterMetricFamily("kvgate_routing_policy_decisions",
-                                     "prefix_affinity's decisions: hash order, or the block index overriding it",
+                                     "prefix_affinity's decisions: the key's home, or another replica by cost",
                                      labels=["policy", "outcome"])
-        decisions, follows = getattr(policy, "decisions", None), getattr(policy, "follows", None)
-        if isinstance(decisions, int) and isinstance(follows, int):
+        decisions, moved = getattr(policy, "decisions", None), getattr(policy, "moved", None)
+        if isinstance(decisions, int) and isinstance(moved, int):
             name = str(getattr(policy, "name", "?"))
-            family.add_metric([name, "hash_order"], decisions - follows)
-            family.add_metric([name, "index_follow"], follows)
+            family.add_metric([name, "home"], decisions - moved)
+            family.add_metric([name, "left_home"], moved)
         yield family
 
 

@@ -19,7 +19,7 @@ import httpx
 
 from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry
 from routing import RoutingPolicy, RoutingSettings, make_policy, resolve
-from routing.cost_model import CostModel
+from routing.prefix_affinity import PrefixAffinity
 from routing.kv_events import KVEvents
 from routing.tokenization import Tokenization
 
@@ -173,7 +173,7 @@ class Runtime:
             log.warning("routing.share_index needs redis_url; routing on this instance's knowledge only")
             routing = routing.model_copy(update={"share_index": False})
         policy = make_policy(routing)
-        if isinstance(policy, CostModel):
+        if isinstance(policy, PrefixAffinity):
             policy.truth = self.kv_events
         return policy
 
@@ -260,7 +260,7 @@ class Runtime:
     def set_routing(self, *, policy: str | None, epsilon: float | None) -> None:
         update: dict[str, Any] = {}
         if policy is not None:
-            update["policy"] = policy
+            update["policy"] = "prefix_affinity" if policy == "cost" else policy  # its former name
         if epsilon is not None:
             update["epsilon"] = epsilon
         if update:
@@ -273,17 +273,14 @@ class Runtime:
         out: dict[str, Any] = {"policy": self.policy.name, "epsilon": self.settings.routing.epsilon}
         if callable(stats):
             out.update(stats())
-        for counter in ("decisions", "follows"):  # prefix_affinity: index overrides of the hash order
-            if hasattr(self.policy, counter):
-                out[counter] = getattr(self.policy, counter)
         out.update(self.routing_counts)
         if self.kv_events is not None:
             out["kv_events"] = self.kv_events.stats()
-            if not isinstance(self.policy, CostModel):
-                # Only the cost model reads the events; say so instead of claiming precision.
+            if not isinstance(self.policy, PrefixAffinity):
+                # Only prefix affinity reads the events; say so instead of claiming precision.
                 for row in out["kv_events"]["replicas"].values():
                     row["mode"] = "approximate"
-                out["kv_events"]["note"] = "precise mode needs routing.policy: cost"
+                out["kv_events"]["note"] = "precise mode needs routing.policy: prefix_affinity"
         configured = [m for r in self.settings.replicas for m in r.models]
         out["tokenization"] = self.tokenization.stats(configured + self.pool.models(healthy_only=False))
         if self.routing_sync is not None and isinstance(out.get("shared_facts"), dict):

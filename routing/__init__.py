@@ -2,13 +2,14 @@
 
 Policies are pure functions of the request and the membership list that return
 a preference order (``routing.base``); ``make_policy`` builds the configured one.
-The default, ``prefix_affinity``, keys each request on its stable prefix and
-orders replicas by bounded-load rendezvous hashing (``routing.prefix_affinity``).
+The default, ``prefix_affinity``, sends each request where the prompt work it
+would wait for and add is least, within a load bound checked at every decision,
+ties broken by the rendezvous order of its prefix key (``routing.prefix_affinity``).
 
 What the gateway calls:
 
 * ``make_policy(settings)`` once at start-up (one instance per process; it
-  keeps a bounded popularity estimate, block index and load average);
+  keeps a bounded popularity estimate, block index and prefill backlog);
 * ``policy.prefer(RouteRequest(...), eligible)`` per request, with the body as
   the client sent it (``cache_control`` breakpoints are routing hints) and the
   ``x-kvgate-cache-boundary`` header as ``boundary_hint``;
@@ -24,7 +25,6 @@ from __future__ import annotations
 from .base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy, load_now, load_of
 from .boundary import strip_cache_control
 from .consistent_hash import ConsistentHash
-from .cost_model import CostModel
 from .least_load import LeastLoad
 from .membership import resolve
 from .prefix_affinity import PrefixAffinity
@@ -45,6 +45,4 @@ def make_policy(settings: RoutingSettings) -> RoutingPolicy:
         return RoundRobin()
     if settings.policy == "consistent_hash":
         return ConsistentHash(settings)
-    if settings.policy == "cost":
-        return CostModel(settings)
     return PrefixAffinity(settings)

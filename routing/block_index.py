@@ -38,7 +38,11 @@ from bisect import bisect_right
 from itertools import chain
 from typing import Iterable, Iterator, Sequence
 
-__all__ = ["BlockIndex", "sampled_positions"]
+__all__ = ["BlockIndex", "MAX_REPLICA_IDS", "ReplicaBits", "sampled_positions"]
+
+# Replica ids in the index's masks; past this many names seen (DNS pods coming and
+# going) the ids and the index start afresh.
+MAX_REPLICA_IDS = 4096
 
 
 def sampled_positions(max_blocks: int) -> tuple[int, ...]:
@@ -220,3 +224,29 @@ def _bits(mask: int) -> Iterator[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+class ReplicaBits:
+    """Small integer ids for replica names (bit positions in the block index)."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def get(self, name: str) -> int | None:
+        return self._ids.get(name)
+
+    def bit_for(self, name: str, index: BlockIndex) -> int:
+        """``name``'s id, made on first sight. Past the id space every id and ``index``,
+        which is written in them, start afresh rather than grow without bound."""
+        b = self._ids.get(name)
+        if b is None:
+            if len(self._ids) >= MAX_REPLICA_IDS:
+                self._ids.clear()
+                index.clear()
+            b = self._ids[name] = len(self._ids)
+        return b

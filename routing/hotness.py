@@ -9,30 +9,33 @@ random sample of the same traffic, so independent instances reach the same
 verdict on anything clearly hot (a global system prompt) or clearly not (one
 conversation), which is all the routing key needs.
 
-Memory is bounded: an LRU of ``capacity`` keys. Hot keys are touched on every
-request that carries them, so they are the last to be evicted.
+Memory is bounded: two generations of ``capacity / 2`` keys each. A key
+touched is in the young one; when it fills, the old one is dropped and the
+young one becomes old. Hot keys are touched on every request that carries them,
+so they are never dropped; a key untouched for a whole generation is. (An LRU
+would do the same, at an ordered-dict move per key per request: dozens per
+request with cuts inside a long system prompt.)
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 __all__ = ["Popularity"]
 
 
 class Popularity:
-    __slots__ = ("_entries", "_capacity", "_tick")
+    __slots__ = ("_young", "_old", "_half", "_tick")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         # key -> [count, tick when first seen]
-        self._entries: OrderedDict[int, list[int]] = OrderedDict()
-        self._capacity = capacity
+        self._young: dict[int, list[int]] = {}
+        self._old: dict[int, list[int]] = {}
+        self._half = max(1, capacity // 2)
         self._tick = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._young) + len(self._old)
 
     def tick(self) -> None:
         """One more request routed (the denominator of every share)."""
@@ -44,28 +47,34 @@ class Popularity:
         The ``window`` floor keeps a young key from looking hot: two turns of one
         conversation a second apart are 2 of ``window`` requests, not 2 of 2.
         """
-        entry = self._entries.get(key)
+        entry = self._young.get(key) or self._old.get(key)
         if entry is None:
             return 0.0
         return entry[0] / max(self._tick - entry[1] + 1, window)
 
-    def shares(self, keys: list[int], window: int) -> list[float]:
-        """``share`` of each key (one call per request instead of one per key)."""
-        entries, tick = self._entries, self._tick
-        out = []
-        for key in keys:
-            entry = entries.get(key)
-            out.append(0.0 if entry is None else entry[0] / max(tick - entry[1] + 1, window))
-        return out
-
-    def record_all(self, keys: list[int]) -> None:
-        entries = self._entries
-        for key in keys:
-            entry = entries.get(key)
+    def first_narrow(self, keys: list[int], window: int, wide: float, record: bool) -> int:
+        """The index of the first key whose share is at most ``wide`` (else the last),
+        and with ``record`` each key counted for this request: one pass for both."""
+        young, old, tick = self._young, self._old, self._tick
+        found = -1
+        for j, key in enumerate(keys):
+            entry = young.get(key)
             if entry is None:
-                entries[key] = [1, self._tick]
-            else:
+                entry = old.pop(key, None) if record else old.get(key)
+                if entry is None:
+                    if found < 0:
+                        found = j  # never seen: share 0
+                    if not record:
+                        break
+                    entry = young[key] = [0, tick]
+                elif record:
+                    young[key] = entry
+            if found < 0 and entry[0] / max(tick - entry[1] + 1, window) <= wide:
+                found = j
+                if not record:
+                    break
+            if record:
                 entry[0] += 1
-                entries.move_to_end(key)
-        while len(entries) > self._capacity:
-            entries.popitem(last=False)
+        if record and len(young) > self._half:
+            self._old, self._young = young, {}
+        return found if found >= 0 else len(keys) - 1

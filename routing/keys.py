@@ -166,17 +166,18 @@ class PrefixKeyer:
         cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, self._positions)
         keys = [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c) for c in cuts]
         chosen = RouteKey(seed, 0, 0, seed, seed)
+        if learn:
+            # Every cut is counted, not only the walked ones: a deeper prefix's share
+            # must be known from the start, or it would lag behind its parent's.
+            i = self.popularity.first_narrow(keys, window, wide_share, record=True)
+            self.popularity.tick()
+        else:
+            i = self.popularity.first_narrow(keys, window, wide_share, record=False)
         if keys:
-            shares = self.popularity.shares(keys, window)
-            i = next((j for j, share in enumerate(shares) if share <= wide_share), len(keys) - 1)
             end, cap = _context_ends(info.rendered, info.explicit, cuts[i])
             context = keys[i] if end is None else _prefix_id(info, end)
             # A later turn's context is its cap: hashed once.
             chosen = RouteKey(keys[i], cuts[i], i, context, context if end == cap else _prefix_id(info, cap))
         if learn:
-            # Every cut is counted, not only the walked ones: a deeper prefix's share
-            # must be known from the start, or it would lag behind its parent's.
-            self.popularity.tick()
-            self.popularity.record_all(keys)
             request.scratch[_SCRATCH_KEY] = (self, chosen)
         return chosen

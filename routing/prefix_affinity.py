@@ -1,49 +1,101 @@
-"""Prefix affinity: kvgate's default policy.
+"""Prefix affinity, kvgate's default policy: one cost, one bound and one tie-break.
 
-Three layers, each with one job:
+For every request the policy asks each eligible replica one question: how many
+prompt tokens would this request wait behind there, and add? (NVIDIA Dynamo's
+KV router asks the same.)
 
-1. **Key** (``routing.keys``): the shallowest prefix of the request that one
-   replica can own (not carried by more than a replica's share of traffic).
-   Requests that share it share a key: a conversation's turns, a tenant's
-   or an organisation's requests behind a global system prompt.
-2. **Order** (``routing.rendezvous``): the key's rendezvous order over the
-   eligible replicas (a heavy key's packed home first, ``routing.placement``),
-   with bounded load. A replica sheds (moves to the back) a hash-chosen
-   fraction of the request contexts (``RouteKey.context``: one twin of an
-   organisation, not the whole organisation at once) when its time-averaged
-   *shared* load (scraped running + waiting) is past (1 + epsilon) x mean, and
-   is skipped when its load right now (with this instance's in-flight) is past
-   (1 + burst_epsilon) x mean. The averaged view is the
-   same on every gateway instance, so they move a key off an overloaded
-   replica together; the instantaneous check only stops a pile-up.
-   A key no replica holds yet, while this instance carries all the traffic
-   (``SharedLoad.alone``), is instead placed where the least prompt work is
-   queued or was placed lately (``routing.backlog``), within a tighter
-   ``new_key_epsilon``; its next
-   requests follow it there before the index learns of it. With
-   ``share_index``, instances tell each other where they placed new keys and
-   which replicas hold which keys (``routing.gossip``, through Redis), so
-   several instances place new keys too.
-3. **Follow** (``routing.block_index``): while this instance carries all the
-   traffic, a request context goes back to the replica it last sent it to,
-   which loses it only past looser bounds than a newcomer (hysteresis: load
-   wobbling around the bound must not move twins back and forth, each move
-   paying their whole prefix). Otherwise a context served before (a twin)
-   follows the replica that served it; else its key. If the
-   first choice is not known to hold that prefix but another replica within
-   the bound is (it spilled there under load, or membership changed), that
-   replica goes first;
-   if the first choice holds it, only a *clearly* deeper prefix elsewhere (at
-   least ``index_min_gain_chars`` and half again deeper: a conversation that
-   spilled on its last turn) moves the request. A shallower shared prefix
-   elsewhere never overrides the key. This instance learned all that from its
-   own traffic, so it only ever *adds* stickiness on top of the order every
-   instance computes alike.
+    cost(r) = queued(r) + uncached(r) + in_flight(r) x (uncached(r) - min uncached + typical)
+                                                  in prompt tokens
 
-``observe`` teaches the index (the replica now holds the prompt and its key)
-and tracks, per replica, how well the index predicted the replica's reported
-``cached_tokens``: a replica that keeps evicting what the index believes it
-holds is not followed.
+* ``uncached(r)``: the request's prompt minus what ``r`` is believed to hold of
+  it (``routing.block_index``: what this instance sent there, or saw served
+  there, or was told of). Prefill is linear in these tokens, so this is the
+  work the replica must do before the first token.
+* ``queued(r)``: prompt work ahead of it: what this instance sent ``r`` and
+  ``r`` has not prefilled yet (``routing.backlog``), plus the requests ``r``
+  reports waiting for other clients, each weighed as an average request of
+  ours (their prompts are not known here; their traffic is assumed alike).
+* the last term has two parts, both per request in flight at ``r``. The first
+  prices the prefill a replica does only because the request did not go where
+  it is warmest: every request in flight there waits for, or decodes around,
+  that extra prefill (Little's law: they are the requests the extra work
+  delays). The second is the decode load (Dynamo's ``decode_blocks``): each
+  request in flight there is one the new one decodes beside, weighed as
+  ``typical``, the prefill work of an average request of ours, the same unit
+  that weighs other clients' waiting requests (one unit of load, whatever
+  phase it is in). Queued prefill alone cannot see it: a replica whose
+  prefills are done looks empty while it decodes for a dozen conversations,
+  and new conversations filled exactly those replicas, whose follow-ups the
+  bound then refused. With it a new conversation goes where fewer are
+  decoding, keeping room at busy replicas for the turns of the conversations
+  they hold. Where most of each prompt is warm (organisations' shared
+  layers), ``typical`` is small and the term barely moves anything.
+
+**The bound** (consistent hashing with bounded loads, Mirrokni, Thorup and
+Zadimoghaddam): a replica takes the request only if its in-flight count stays
+within ``ceil((1 + epsilon) x mean)``, the mean of what is in flight right now
+with this request included: this instance's own in-flight at each replica,
+exact, plus the requests of other clients (other kvgate instances included) that
+the replicas last reported, spread evenly over them (``_in_flight_now``: their
+number is known, where they are by now is not). It is checked at every
+decision, from the first; nothing is averaged. With one instance it holds
+exactly; with several, each holds it over its own view, and the fleet can pass
+it by what the others sent since the last scrape. Replicas past it go to the
+back of the order (least loaded first) so that retries still have somewhere to
+go. The same view prices the in-flight terms of the cost.
+
+**The tie-break and the home.** The request's key (``routing.keys``: the
+shallowest prefix that one replica can own, cut at a message end, an explicit
+boundary or a block position inside a message, such as a conversation's first
+turn or the layer of a long prompt that a group of requests shares) orders the
+replicas by rendezvous hashing, the same order on every instance. Of equal
+costs, the replica where the request adds less prefill goes first (the fleet
+does less work for the same wait), then that order.
+
+The key's *home* (the first of that order) is how instances that share nothing
+agree, so two rules make it hold:
+
+* *presumed there*: when this instance knows of no replica holding the key, the
+  home is presumed to hold the request's context (everything before its last
+  message) with the chance that another instance sent it there: the others'
+  share of the queues the replicas report, none for a lone instance;
+* *leaving it costs*: a key with no known holder placed anywhere else costs, on
+  top, its whole prompt times that same share: the other instances will send
+  its next request home, which then prefills it all again. One next request is
+  the least a key brings; the cost counts only that one.
+
+A shared prefix inside one message (the Mooncake trace's prompts are single
+messages sharing long prefixes) is a key too: with one instance the index alone
+would find it, but other instances only find it through its home.
+
+What the cost replaced (the layers of the policy before it, deleted with their
+settings; README, "Routing"): hysteresis, because a context stays where its
+prefix is warm by exactly that prefix's prefill; packed homes for heavy keys and
+shedding on an averaged load, because a heavy key spills exactly as far as queues
+and the bound make it; the new-key placement and its fading memory, because a new
+key's cost is its queue and its decode load; the index-trust EWMA and the
+"clearly deeper" rule, because a deeper match elsewhere simply costs less.
+What it keeps, one line each: the rendezvous order (instances that see the same
+facts must pick the same replica); the home presumption (instances that share
+nothing must guess alike where a conversation went); the bound (the cost prices
+waiting, but only a cap guarantees no replica takes a pile-up); the optional
+shared facts (``share_index``: several instances that share a Redis learn what
+one learned).
+
+``observe`` records that the serving replica now holds the whole prompt. With
+``share_index``, the facts this instance learns are also told to the others
+(``routing.gossip``); they enter the index like its own.
+
+**Precise mode** (issue 16): when the request carries the token ids vLLM will
+prefill (``RouteRequest.token_ids``) and a replica's KV-event stream is live
+(``truth``, a ``routing.kv_events.KVEvents``), that replica's ``uncached`` is
+read from the truth: prompt tokens minus the longest consecutive prefix of the
+request's blocks it holds (``routing.token_keys`` over the token ids, salted
+like vLLM's first block) times the block size. Every instance subscribes to
+every replica, so they see the same blocks without talking; neither the
+approximate index nor the home presumption is consulted for such a replica.
+Replicas without a live stream keep the approximate figure, scaled to the
+same token count.
 """
 
 from __future__ import annotations
@@ -51,80 +103,25 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from .backlog import CHARS_PER_TOKEN, Backlog, Committed, LastSent
-from .base import ReplicaView, RouteFeedback, RouteRequest, load_of
-from .block_index import BlockIndex
+from .backlog import CHARS_PER_TOKEN, Backlog
+from .base import ReplicaView, RouteFeedback, RouteRequest, load_now, reported
+from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
 from .gossip import HELD, PLACED, Fact, Gossip
-from .keys import PrefixInfo, PrefixKeyer, analyse
-from .load import SharedLoad
-from .placement import Placement
-from .rendezvous import rendezvous_order, shed_fractions, sheds, within_bound
+from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
+from .kv_events import KVEvents
+from .token_keys import block_keys
+from .rendezvous import rendezvous_order, within_bound
 from .settings import RoutingSettings
 
-__all__ = ["PrefixAffinity", "ReplicaBits"]
+__all__ = ["PrefixAffinity"]
 
-# A deeper match must also be this many times the first choice's depth.
-_GAIN_RATIO = 1.5
-# Index trust per replica: an EWMA of reported / predicted cached tokens.
-_TRUST_ALPHA = 0.1
-_MIN_TRUST = 0.5
-MAX_REPLICA_IDS = 4096
-# Contexts whose last replica is remembered (about 1 MB): a fleet's active twins and chats.
-_MAX_CONTEXTS = 65_536
-# Endpoints whose requests come back as longer conversations (a completions prompt does not).
-_TURNS = ("chat", "responses", "messages")
-# Below these many requests over the mean, a replica is never skipped: at a few
-# requests per replica, such differences are Poisson noise, not imbalance.
-_STEADY_FLOOR = 2.0
-_BURST_FLOOR = 4.0
-_NEW_KEY_FLOOR = 1.0
-# A context stays where it went last until that replica is past these multiples of
-# epsilon (averaged load) and burst_epsilon (load right now).
-_STAY_STEADY = 2.0
-_STAY_BURST = 1.5
-# Past them, a replica sheds its stayers gently (10% past: about a fifth of them, where a
-# newcomer's gain of 10 sheds nearly all): each one moved pays its whole prefix again.
-# Twins, 8 seeds: hit .664 -> .667, TTFT p95 5.88 -> 5.57 s, max/mean at most 1.24.
-_STAY_GAIN = 2.0
-# Heavy keys are packed to half the load bound: room for estimate noise and bursts.
-PACK_FACTOR = 0.5
-
-
-def _find(items: Sequence[ReplicaView], name: str | None) -> int | None:
-    """Position of the replica called ``name`` in ``items`` (None: not there)."""
-    return next((i for i, r in enumerate(items) if r.name == name), None)
-
-
-def _to_front(items: list[ReplicaView], i: int) -> list[ReplicaView]:
-    """``items`` with the ``i``-th first; the rest keep their order."""
-    return items if i == 0 else [items[i], *items[:i], *items[i + 1:]]
-
-
-class ReplicaBits:
-    """Small integer ids for replica names (bit positions in the block index)."""
-
-    __slots__ = ("_ids",)
-
-    def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def get(self, name: str) -> int | None:
-        return self._ids.get(name)
-
-    def bit_for(self, name: str, index: BlockIndex) -> int:
-        """``name``'s id, made on first sight. Past the id space (DNS pods coming and
-        going) every id and ``index``, which is written in them, start afresh rather
-        than grow without bound."""
-        b = self._ids.get(name)
-        if b is None:
-            if len(self._ids) >= MAX_REPLICA_IDS:
-                self._ids.clear()
-                index.clear()
-            b = self._ids[name] = len(self._ids)
-        return b
+# Where a request was sent, in its scratch: a retry elsewhere is news for ``observe``.
+_SENT = "kvgate.sent"
+# Its token-block keys (precise mode), and its entry among the requests in flight.
+_KEYS = "kvgate.block_keys"
+_PENDING = "kvgate.pending"
+# Its mark in the chosen replica's prefill backlog.
+_MARK = "kvgate.backlog_mark"
 
 
 class PrefixAffinity:
@@ -133,22 +130,22 @@ class PrefixAffinity:
     def __init__(self, settings: RoutingSettings | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings or RoutingSettings()
+        # The key orders ties and names the home that instances sharing nothing agree on.
         self.keyer = PrefixKeyer(self.settings)
-        self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks)
+        self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks, tails=True)
         self.bits = ReplicaBits()
-        self.load = SharedLoad(self.settings.load_average_s, clock)
-        self.placement = Placement(self.settings.heavy_share, self.settings.epsilon * PACK_FACTOR)
-        self.young = LastSent()
-        self.recent = LastSent(_MAX_CONTEXTS)
         self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
-        self.committed = Committed(self.settings.placement_memory_s, clock)
-        # Facts for other instances, when they share what they learn (routing.gossip).
         self.gossip = Gossip() if self.settings.share_index else None
         self._salts: dict[str, int] = {}
-        self._trust: dict[str, float] = {}
-        # For metrics and the benchmark: decisions, and how many the index changed.
+        # The mean prompt work of this instance's requests: what another client's
+        # waiting request is taken to weigh.
+        self._work_sum = 0.0
+        # Decisions, and how many left the key's home (for metrics and the benchmark).
         self.decisions = 0
-        self.follows = 0
+        self.moved = 0
+        # Precise mode's source (set by the gateway when replicas publish KV events).
+        self.truth: KVEvents | None = None
+        self.precise_decisions = 0
 
     # -- RoutingPolicy -----------------------------------------------------------------
     def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
@@ -159,207 +156,208 @@ class PrefixAffinity:
         return self._rank(request, replicas, learn=False)
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        if self.truth is not None:
+            self.truth.done(request.scratch.pop(_PENDING, None))
+        mark = request.scratch.pop(_MARK, None)
+        if mark is not None:
+            self.backlog.done(mark[0], mark[1])
         if not feedback.ok:
             return
         info = analyse(request, self.settings, self.keyer.chains)
         if not info.hashes:
             return
-        bit = self.bits.bit_for(feedback.replica, self.index)
-        # The key this instance routed on (a peek if the request came another way),
-        # the request's context, and for conversations their first turn (the context of its
-        # next turns; a completions prompt has no turns to come back to).
+        if request.scratch.get(_SENT) == feedback.replica:
+            return  # recorded when it was sent there
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
-        keys = dict.fromkeys((route.key, route.context) + ((route.capped,) if request.endpoint in _TURNS else ()))
-        for key in keys:
-            if self.gossip is not None and not self.index.holders(key) >> bit & 1:
-                self.gossip.note(HELD, key, feedback.replica)  # news to this instance, so to others
-        self._learn_trust(info, feedback, bit)
-        self.recent.put(route.context, feedback.replica)  # a retry may have served it elsewhere
-        self.index.add(info.hashes, bit)
-        for key in keys:
-            self.index.add_key(key, bit)
+        bit = self.bits.bit_for(feedback.replica, self.index)
+        if self.gossip is not None and not self.index.holders(route.key) >> bit & 1:
+            self.gossip.note(HELD, route.key, feedback.replica)  # news to this instance, so to others
+        self._hold(info, route, bit)
 
     def learn_remote(self, fact: Fact) -> None:
-        """Apply what another instance learned (``routing.gossip``)."""
+        """Apply what another instance learned (``routing.gossip``): the key is held there."""
         _, key, replica = fact
         if self.gossip is not None:
             self.gossip.applied += 1
-        # Either kind: a key another instance placed is, for this one, held there (its
-        # prefill is under way; the next turn may come here before the answer is back).
         self.index.add_key(key, self.bits.bit_for(replica, self.index))
 
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided on its own."""
-        out: dict[str, object] = {"heavy_keys_packed": len(self.placement), "alone": self.load.alone(),
-                                  "young_keys": len(self.young), "recent_contexts": len(self.recent)}
+        out: dict[str, object] = {"decisions": self.decisions, "left_home": self.moved,
+                                  "index_entries": len(self.index), "precise_decisions": self.precise_decisions}
         if self.gossip is not None:
             out["shared_facts"] = {"published": self.gossip.published, "applied": self.gossip.applied,
                                    "pending": len(self.gossip)}
         return out
 
     # -- internals ---------------------------------------------------------------------
+    def _hold(self, info: PrefixInfo, route: RouteKey, bit: int, known: int = 0) -> None:
+        """Record that replica ``bit`` holds (or is about to hold) the request's prompt.
+
+        ``known``: the blocks of it the index was just found to hold there."""
+        self.index.add(info.hashes, bit, known)
+        self.index.add_key(route.key, bit)
+
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
         if len(replicas) < 2:
             return list(replicas)
         if len(self._salts) > MAX_REPLICA_IDS:
             self._salts.clear()
-        route = self.keyer.key_for(request, len(replicas), learn=learn)
-        key, context = route.key, route.context
-        order = rendezvous_order(key, replicas, self._salts)
-        if learn:
-            self.placement.record(key, len(replicas))
-        packed = self.placement.home(key, replicas, self._salts, refresh=learn)
-        if packed:
-            order = _to_front(order, _find(order, packed) or 0)
-        if learn:
-            self.load.update(replicas)
-            self.decisions += 1
-        # A key may go where the load is lowest rather than where it hashes only
-        # while this instance carries the replicas' traffic alone, or tells the
-        # other instances where it went (``routing.gossip``): otherwise they would
-        # send its next turns to the first choice. And only a key nobody is known to
-        # hold yet (a new conversation, a one-off prompt): placing it elsewhere costs
-        # nothing now. A heavy key is left to its packed home, which accounts for load.
-        placing = self.settings.new_key_epsilon is not None and (self.load.alone() or self.gossip is not None)
-        placed = placing and packed is None and not self.index.holders(key)
-        # Where this instance last sent the context, while it carries all the traffic:
-        # with other instances about, its own memory would make it disagree with them.
-        last = self.recent.get(context) if self.load.alone() else None
-        inside, over = self._bound(context, order, placed, last, self.young.get(key) if placed else None)
         info = analyse(request, self.settings, self.keyer.chains)
-        again = _find(inside, last)
-        if again is not None:
-            inside = _to_front(inside, again)  # its answer may not be back: the index can't know
-        elif placed and len(inside) > 1:
-            inside = self._place(key, info, inside)
-        elif len(inside) > 1:
-            # A context served before (one twin of an organisation) follows where it
-            # was served; a new one follows its key (where its siblings are).
-            pick = self._follow(info, context if context != key and self.index.holders(context) else key, inside)
-            if pick and learn:
-                self.follows += 1
-            inside = _to_front(inside, pick)
-        ranked = inside + over
+        route = self.keyer.key_for(request, len(replicas), learn=learn)
+        order = rendezvous_order(route.key, replicas, self._salts)
+        now = _in_flight_now(order)
+        fits = within_bound(now, [r.weight for r in order], self.settings.epsilon)
+        keys = self._keys(request)
+        precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
+        work = self._work(info, route, order, precise, request, now)
+        # Decode load: every request in flight weighs a typical request of ours (module doc).
+        typical = self._typical(info, request)
+        costs = [ahead + uncached + load * typical for (ahead, uncached), load in zip(work, now)]
+        # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
+        inside = sorted((i for i in range(len(order)) if fits[i]), key=lambda i: (costs[i], work[i][1], i))
+        over = sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
+        picks = inside + over
         if learn:
-            # Tracked on every decision, not only while alone: the instance drifts in
-            # and out of that state, and a backlog missing those requests misplaces
-            # the next new key (twin workload: hit .627 -> .616, p95 7.4 -> 9.1 s).
-            work = self._uncached_tokens(info, ranked[0].name)
-            self.backlog.add(ranked[0].name, work)
-            self.recent.put(context, ranked[0].name)
-            if placed:
-                if self.young.get(key) != ranked[0].name:  # placed, not following its siblings
-                    self.committed.add(ranked[0].name, work)
-                self.young.put(key, ranked[0].name)
-                if self.gossip is not None:
-                    self.gossip.note(PLACED, key, ranked[0].name)
-        return ranked
+            chosen = order[picks[0]]
+            self._commit(request, info, route, chosen, work[picks[0]][1], order[0])
+            if keys and self.truth is not None:
+                if chosen.name in precise:
+                    self.precise_decisions += 1
+                new = precise.get(chosen.name, 0.0) < len(keys)
+                request.scratch[_PENDING] = self.truth.sent(chosen.name, keys, new)
+        return [order[i] for i in picks]
 
-    def _place(self, key: int, info: PrefixInfo, inside: list[ReplicaView]) -> list[ReplicaView]:
-        """A new key's order: where its earlier requests went, else the least work coming.
+    def _typical(self, info: PrefixInfo, request: RouteRequest) -> float:
+        """The prefill a request of this instance brings, on average (before any: this one's prompt)."""
+        if self.decisions:
+            return self._work_sum / self.decisions
+        prompt, tokens = len(info.rendered.data), request.token_ids
+        return float(len(tokens)) if tokens and prompt else prompt / CHARS_PER_TOKEN
 
-        A new conversation often sends several requests before the first answer
-        comes back (and teaches the index): they go together. Otherwise the
-        replica with the least prompt work from this instance goes first: still
-        queued, plus what the new keys placed there lately will bring
-        (``routing.backlog``); ties keep the rendezvous order.
-        """
-        home = self.young.get(key)
-        at = _find(inside, home)
-        if at is None:
-            # The work placed lately counts only while this instance places all of it:
-            # sharing facts, each instance would spread a quarter of the new keys
-            # evenly, not the fleet's (4 instances, Mooncake: hit .257 -> .246).
-            lately = self.load.alone()
-            queues = [self.backlog.get(r.name) + (self.committed.get(r.name) if lately else 0.0) for r in inside]
-            at = min(range(len(inside)), key=queues.__getitem__)  # the first of equals
-        return _to_front(inside, at)
+    def _keys(self, request: RouteRequest) -> list[int]:
+        """The request's token-block keys, once per request; empty without token ids or truth."""
+        if self.truth is None:
+            return []
+        keys = request.scratch.get(_KEYS)
+        if keys is None:
+            tokens = request.token_ids
+            salt = request.body.get("cache_salt")
+            keys = block_keys(tokens, self.truth.block_size, salt if isinstance(salt, str) else None) \
+                if tokens else []
+            request.scratch[_KEYS] = keys
+        return keys  # type: ignore[no-any-return]
 
-    def _uncached_tokens(self, info: PrefixInfo, name: str) -> float:
-        """The prompt tokens ``name`` must prefill, as far as the index knows."""
-        bit = self.bits.get(name)
-        held = self.index.depth_of(info.hashes, bit) * info.block if bit is not None and info.hashes else 0
-        return max(0, len(info.rendered.data) - held) / CHARS_PER_TOKEN
+    def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], precise: dict[str, float],
+              request: RouteRequest, now: list[float]) -> list[tuple[float, float]]:
+        """Per replica, in prompt tokens: (the work ahead of this request there, its own prefill there)."""
+        prompt = len(info.rendered.data)
+        tokens = request.token_ids
+        # With the token ids known, every figure is in real tokens: the approximate
+        # index's share of the prompt is scaled to them.
+        scale = len(tokens) / prompt if tokens and prompt else 1.0 / CHARS_PER_TOKEN
+        block = self.truth.block_size if self.truth is not None else 0
+        typical = self._typical(info, request)
+        # Replicas known to hold the key hold its prefix (another instance may have said
+        # so, without the blocks); if none is, the home is presumed to (module doc).
+        holders = self.index.holders(route.key)
+        spans = info.rendered.spans
+        context = max(route.cut, spans[-1].start if len(spans) > 1 else 0)
+        share = 0.0 if holders else _others_share(order)
+        presumed = context * share
+        fleet_holds = any(precise.values())
+        # A key placed away from its home: the other instances send its next requests
+        # home (the presumption above), where they prefill its whole prompt again; with
+        # their share of the traffic, that is what leaving home costs (module doc).
+        astray = prompt * scale * share if not fleet_holds else 0.0
+        ahead, uncached = [], []
+        depths = self.index.depths(info.hashes, (1 << len(self.bits)) - 1) if info.hashes else {}
+        for i, r in enumerate(order):
+            ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical + (astray if i else 0.0))
+            if r.name in precise and tokens:
+                # The truth: what the replica's own events say it holds of this prompt. A
+                # prefix no replica holds yet is presumed at its home as in approximate mode
+                # (module doc), so instances that place it before any event agree on where.
+                held_tokens = precise[r.name] * block
+                if i == 0 and not fleet_holds:
+                    held_tokens = max(held_tokens, presumed * scale)
+                uncached.append(max(0.0, len(tokens) - held_tokens))
+                continue
+            bit = self.bits.get(r.name)
+            held = float(depths.get(bit, 0) * info.block) if bit is not None else 0.0
+            if bit is not None and holders >> bit & 1:
+                # Known to hold the key; known by its key alone (another instance's fact,
+                # no blocks recorded), it is presumed to hold the context, as a home is.
+                held = max(held, float(route.cut) if held else float(context))
+            elif i == 0:
+                held = max(held, presumed)
+            # Queued prefill: ours, and others' waiting requests weighed as average ones of ours (above).
+            uncached.append(max(0.0, prompt - held) * scale)
+        # Prefill that the best-placed replica would not need is paid once by this request
+        # and once more by every request in flight where it lands: each waits for, or
+        # decodes around, that extra prefill step.
+        least = min(uncached)
+        return [(a + load * (u - least), u) for a, u, load in zip(ahead, uncached, now)]
 
-    def _bound(self, context: int, order: list[ReplicaView], placed: bool, last: str | None = None,
-               young: str | None = None) -> tuple[list[ReplicaView], list[ReplicaView]]:
-        """(replicas that may take the request, in ``order``; the rest, least loaded now first).
+    def _commit(self, request: RouteRequest, info: PrefixInfo, route: RouteKey, chosen: ReplicaView,
+                uncached: float, home: ReplicaView) -> None:
+        """What a decision teaches: the chosen replica's queue grows, and it will hold the prompt."""
+        request.scratch[_MARK] = (chosen.name, self.backlog.add(chosen.name, uncached))
+        self._work_sum += uncached
+        self.decisions += 1
+        bit = self.bits.bit_for(chosen.name, self.index)
+        if chosen is not home:
+            self.moved += 1
+        if self.gossip is not None and not self.index.holders(route.key):
+            # A key nobody was known to hold: where it went is news even if it went home,
+            # since another instance's eligible replicas (its home) may differ.
+            self.gossip.note(PLACED, route.key, chosen.name)
+        if info.hashes:
+            self._hold(info, route, bit, self.index.depth_of(info.hashes, bit))
+            request.scratch[_SENT] = chosen.name
 
-        An overloaded replica sheds a hash-chosen fraction of request *contexts*:
-        every instance sheds the same ones, and a heavy key (an organisation)
-        overflows a few twins at a time, each always to the same next replica.
-        ``last`` (where this instance last sent the context) is held to looser
-        bounds; ``young`` (where a new key's first requests went) to the usual
-        burst bound rather than the new-key one.
-        """
-        weights = [r.weight for r in order]
-        now = [load_of(r) for r in order]
-        averaged = [self.load.get(r) for r in order]
-        shed = shed_fractions(averaged, weights, self.settings.epsilon, _STEADY_FLOOR)
-        eps, floor = self.settings.burst_epsilon, _BURST_FLOOR
-        new_eps = self.settings.new_key_epsilon
-        if placed and new_eps is not None and new_eps < eps:
-            eps, floor = new_eps, _NEW_KEY_FLOOR
-        burst = within_bound(now, weights, eps, floor)
-        fits = [b and not sheds(context, r.name, f, self._salts) for r, f, b in zip(order, shed, burst)]
-        # Replicas held to other bounds than a newcomer's: index -> (shed fractions, burst epsilon).
-        held: dict[int, tuple[list[float], float]] = {}
-        went = _find(order, young)
-        if went is not None and eps != self.settings.burst_epsilon:
-            # The tight bound chooses where a new key goes. Once its first requests went
-            # somewhere (answers not back yet), the next ones follow them there unless
-            # that replica is swamped: placing each anew spreads one organisation over
-            # the fleet while it starts (twins, mean of 8 seeds: hit .663 -> .665).
-            held[went] = (shed, self.settings.burst_epsilon)
-        stay = _find(order, last)
-        if stay is not None:
-            # Hysteresis: a context leaves the replica it went to last only when that
-            # replica is further past the bounds than a newcomer may be. Otherwise load
-            # wobbling around the bound moves twins back and forth, each move paying
-            # their whole prefix (one instance, 1,200 twin requests: hit .622 -> .640 with
-            # the follow above; Mooncake .252 -> .254; shared prefix .905 -> .910).
-            held[stay] = (shed_fractions(averaged, weights, _STAY_STEADY * self.settings.epsilon, _STEADY_FLOOR,
-                                         _STAY_GAIN),
-                          _STAY_BURST * self.settings.burst_epsilon)
-        for i, (fractions, burst_eps) in held.items():
-            ok_now = within_bound(now, weights, burst_eps, _BURST_FLOOR)[i]
-            fits[i] = ok_now and not sheds(context, order[i].name, fractions[i], self._salts)
-        inside = [r for r, ok in zip(order, fits) if ok]
-        over = sorted((i for i, ok in enumerate(fits) if not ok), key=lambda i: (now[i], i))
-        return inside, [order[i] for i in over]
 
-    def _follow(self, info: PrefixInfo, key: int, inside: list[ReplicaView]) -> int:
-        """Index of the replica in ``inside`` to move first (0: keep the order)."""
-        bits = [self.bits.get(r.name) for r in inside]
-        among = 0
-        for b in bits:
-            if b is not None:
-                among |= 1 << b
-        holders = self.index.holders(key) & among
-        if not holders:
-            return 0  # nobody known to hold the key: the rendezvous order decides
-        first = bits[0]
-        trusted = [b is not None and self._trust.get(r.name, 1.0) >= _MIN_TRUST for r, b in zip(inside, bits)]
-        if first is None or not holders >> first & 1:
-            # The key's prefix went elsewhere (a spill, a membership change): follow it.
-            return next((i for i, b in enumerate(bits) if trusted[i] and holders >> b & 1), 0)  # type: ignore[operator]
-        depth, deep = self.index.deepest(info.hashes, holders)
-        if deep >> first & 1:
-            return 0
-        first_depth = self.index.depth_of(info.hashes, first)
-        gain = (depth - first_depth) * info.block
-        if gain < self.settings.index_min_gain_chars or depth < _GAIN_RATIO * first_depth:
-            return 0
-        return next((i for i, b in enumerate(bits) if trusted[i] and deep >> b & 1), 0)  # type: ignore[operator]
+def _others_share(replicas: Sequence[ReplicaView]) -> float:
+    """The share of the replicas' reported queues that is not this instance's (0 before any report)."""
+    total = mine = 0.0
+    for r in replicas:
+        queue = reported(r)
+        if queue is not None:
+            total += queue
+            mine += min(queue, r.in_flight_at_scrape)
+    return (total - mine) / total if total > 0 else 0.0
 
-    def _learn_trust(self, info: PrefixInfo, feedback: RouteFeedback, bit: int) -> None:
-        if feedback.cached_tokens is None or not feedback.prompt_tokens:
-            return
-        predicted_blocks = self.index.depth_of(info.hashes, bit)
-        if predicted_blocks < 4:
-            return
-        chars_per_token = len(info.rendered.data) / feedback.prompt_tokens
-        reported_blocks = feedback.cached_tokens * chars_per_token / info.block
-        ratio = min(1.0, reported_blocks / predicted_blocks)
-        old = self._trust.get(feedback.replica, 1.0)
-        self._trust[feedback.replica] = old + _TRUST_ALPHA * (ratio - old)
+
+def _others_waiting(replica: ReplicaView) -> float:
+    """Requests the replica reports waiting that are not this instance's (per unit weight).
+
+    The replica reports running and waiting together with every client's; of its
+    queue at the last scrape, this instance's share was ``in_flight_at_scrape``.
+    The rest, in the proportion the replica reports waiting, is others' work
+    still ahead of a new request.
+    """
+    queue = reported(replica)
+    if not queue or not replica.waiting:
+        return 0.0
+    others = max(0.0, queue - replica.in_flight_at_scrape)
+    return replica.waiting * others / queue / replica.weight
+
+
+def _in_flight_now(replicas: Sequence[ReplicaView]) -> list[float]:
+    """What each replica has in flight now, per unit weight, as this instance can best tell.
+
+    Its own requests there it knows exactly. The others' it knows only as the
+    replicas last reported them, up to a scrape interval ago. Those waiting then
+    are still there (queued, or started since). Those running then have mostly
+    finished and been followed by others that no scrape has counted, so of them
+    their number is known, not where they are: each replica is given the fleet's
+    mean of them. (Read per replica, a stale running figure sent every instance
+    away from the replicas that were busy a second ago, each to its own choice of
+    the others: four instances sharing nothing kept 62-78% of one instance's hit
+    ratio on conversations, 90-94% with this.)
+    """
+    own = [r.in_flight / r.weight for r in replicas]
+    waiting = [_others_waiting(r) for r in replicas]
+    running = sum(load_now(r) for r in replicas) - sum(own) - sum(waiting)
+    mean = max(0.0, running) / len(replicas) if replicas else 0.0
+    return [o + w + mean for o, w in zip(own, waiting)]

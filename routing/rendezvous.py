@@ -25,7 +25,7 @@ import xxhash
 
 from .base import ReplicaView, load_of
 
-__all__ = ["replica_salt", "rendezvous_order", "within_bound", "shed_fractions", "sheds", "split_by_load",
+__all__ = ["replica_salt", "rendezvous_order", "within_bound", "split_by_load",
            "first_choice"]
 
 _xxh = xxhash.xxh3_64_intdigest
@@ -82,38 +82,6 @@ def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: floa
     mean = (sum(load * w for load, w in zip(loads, weights)) + 1.0) / total_weight
     return [load * w + 1.0 <= max(math.ceil(max((1.0 + epsilon) * mean * w, (mean + floor) * w) - 1e-9), 1)
             for load, w in zip(loads, weights)]
-
-
-def shed_fractions(loads: Sequence[float], weights: Sequence[float], epsilon: float,
-                   floor: float = 0.0, gain: float = 10.0) -> list[float]:
-    """For each replica, the fraction of its keys to send elsewhere (0 when within the bound).
-
-    Proportional to how far its load is past max((1 + epsilon) x mean, mean + floor):
-    a replica slightly over sheds a few keys, one far over sheds most. Which
-    keys is decided by ``sheds`` from a hash of (key, replica), so every
-    instance with the same load view sheds the same keys, and a growing
-    fraction sheds a growing set (the keys already shed stay shed).
-    """
-    total_weight = sum(weights)
-    if total_weight <= 0:
-        return [0.0] * len(loads)
-    mean = sum(load * w for load, w in zip(loads, weights)) / total_weight
-    out = []
-    for load, w in zip(loads, weights):
-        raw, cap = load * w, max((1.0 + epsilon) * mean, mean + floor) * w
-        out.append(min(1.0, gain * (raw - cap) / raw) if raw > cap and raw > 0 else 0.0)
-    return out
-
-
-def sheds(key: int, name: str, fraction: float, salts: dict[str, int] | None = None) -> bool:
-    """Whether ``key`` is among the ``fraction`` of keys shed by replica ``name``."""
-    if fraction <= 0.0:
-        return False
-    salt = (salts or {}).get(name)
-    if salt is None:
-        salt = replica_salt(name)
-    kb = (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
-    return (_xxh(kb, salt ^ 0x5BD1E9955BD1E995) + 0.5) / _TWO64 < fraction
 
 
 def split_by_load(order: Sequence[R], epsilon: float,

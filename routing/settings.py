@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+_log = logging.getLogger("kvgate.settings")
 
 
 class _Section(BaseModel):
@@ -32,43 +36,28 @@ class KVEventSettings(_Section):
     max_blocks: int = Field(1 << 21, ge=1024)
 
 
+# Settings of the layered policy the cost model replaced (issue 15). A config that
+# still sets them keeps loading: they are dropped with a warning naming each.
+RETIRED = ("load_average_s", "burst_epsilon", "new_key_epsilon", "placement_memory_s", "heavy_share",
+           "index_min_gain_chars")
+
+
 class RoutingSettings(_Section):
-    policy: Literal["prefix_affinity", "least_load", "round_robin", "consistent_hash", "cost"] = "prefix_affinity"
-    # "cost": the experimental cost model (routing.cost_model): one cost per replica
-    # and a load bound at every decision; uses epsilon, prefill_tokens_per_s, share_index.
-    # Bounded load: skip a replica whose load exceeds (1 + epsilon) x mean. Judged on
-    # the replicas' scraped load averaged over load_average_s (the view every gateway
-    # instance shares, so they move a key together) ...
+    # prefix_affinity: routing.prefix_affinity (one cost per replica, the bound at every
+    # decision). "cost", its name while it was being measured, still selects it.
+    policy: Literal["prefix_affinity", "least_load", "round_robin", "consistent_hash"] = "prefix_affinity"
+    # The load bound (consistent hashing with bounded loads): a replica takes a request
+    # only if its in-flight stays within ceil((1 + epsilon) x mean in flight), judged at
+    # every decision on this instance's own in-flight plus what the replicas report.
     epsilon: float = Field(0.25, ge=0, le=10)
-    load_average_s: float = Field(30.0, ge=0)
-    # ... and, on the instantaneous load (with this instance's in-flight), skip a
-    # replica swamped right now: past (1 + burst_epsilon) x mean.
-    burst_epsilon: float = Field(1.0, ge=0, le=10)
-    # A key no replica is known to hold yet (a new conversation, a one-off prompt)
-    # goes where its prefill would start soonest (routing.backlog: the prompt
-    # tokens this instance sent each replica, drained at prefill_tokens_per_s),
-    # skipping a replica past (1 + new_key_epsilon) x mean right now; only while
-    # this instance carries the replicas' traffic alone (its in-flight >= 3/4 of
-    # their reported queues) or shares what it learns (share_index): otherwise
-    # another instance would not know where the key went.
-    # One instance, Mooncake trace: hit .256 vs .228, TTFT p95 4.5 vs 8.9 s;
-    # unique prompts p95 262 vs 554 ms. None: off (keys go where they hash).
-    new_key_epsilon: float | None = Field(0.25, ge=0, le=10)
     # Share where keys live with the other gateway instances through Redis
     # (routing.gossip; ignored, with a warning, without redis_url): where each
-    # placed a new key, and which replica was found to hold one. New keys are then
-    # placed by prefill queue with several instances too. Four simulated instances,
-    # Mooncake trace: hit .256 vs .224, TTFT p95 7.4 vs 9.8 s.
+    # placed a key away from its home, and which replica was found to hold one.
     share_index: bool = False
-    # Only the order between replicas matters, so a rough figure for the fleet's
-    # engines will do (too high: the rendezvous order decides; too low: "fewest
-    # prompt tokens sent lately").
+    # The prefill rate that drains the queue of prompt tokens this instance sent each
+    # replica (routing.backlog). Only the order between replicas matters, so a rough
+    # figure for the fleet's engines will do.
     prefill_tokens_per_s: float = Field(15_000.0, gt=0)
-    # New keys are spread by the work placed on each replica lately too, not only
-    # by what is still queued: a new key brings its next turns. That memory fades
-    # with this time constant (routing.backlog.Committed). Twin layout, mean of 8
-    # seeds: TTFT p95 6.03 -> 5.88 s; shared prefix max/mean load 1.25 -> 1.01.
-    placement_memory_s: float = Field(30.0, gt=0)
     # Characters per routing block (about 16 tokens of 4 characters, as llm-d does).
     block_chars: int = Field(64, ge=8, le=4096)
     # Literal text that marks the end of the stable prefix when a client places it.
@@ -81,13 +70,6 @@ class RoutingSettings(_Section):
     # A prefix carried by more than hot_fraction / replicas of the requests is "wide"
     # (more than one replica's share at 1.0): the routing key goes deeper than it.
     hot_fraction: float = Field(1.0, gt=0, le=1)
-    # Keys carrying at least heavy_share of one replica's share get a packed home
-    # (routing.placement) instead of their plain rendezvous first choice.
-    heavy_share: float = Field(0.1, gt=0, le=1)
-    # A replica the index believes holds a deeper prefix than the rendezvous first
-    # choice goes first only if it is deeper by at least this many characters
-    # (and by half again): small gains do not justify diverging from other instances.
-    index_min_gain_chars: int = Field(2048, ge=0)
     # Exact token ids per served model (routing.tokens), so routing can key on what vLLM
     # will prefill: a Hugging Face tokenizer directory (the files the replicas load,
     # chat template included) per model name, tokenized in process ...
@@ -101,8 +83,22 @@ class RoutingSettings(_Section):
     # Re-resolve replicas from a headless-service DNS name, e.g. "vllm.ns.svc.cluster.local:8000".
     dns_name: str | None = None
     dns_interval_s: float = Field(10.0, gt=0)
-    # Precise mode's event streams (routing.kv_events; used by policy "cost").
+    # Precise mode's event streams (routing.kv_events; read by prefix_affinity).
     kv_events: KVEventSettings = Field(default_factory=KVEventSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        gone = [k for k in RETIRED if k in data]
+        if gone or data.get("policy") == "cost":
+            data = {k: v for k, v in data.items() if k not in RETIRED}
+            if data.get("policy") == "cost":
+                data["policy"] = "prefix_affinity"
+                gone.append("policy: cost (now prefix_affinity)")
+            _log.warning("routing settings retired with the cost model, ignored: %s", ", ".join(gone))
+        return data
 
     @field_validator("render_url")
     @classmethod

@@ -140,7 +140,9 @@ def test_tenant_lifecycle_and_key_rotation(stack: Stack, admin: httpx.Client) ->
 
 def test_routing_cache_hygiene_status_openapi(admin: httpx.Client) -> None:
     routing = admin.patch("/admin/routing", json={"policy": "prefix_affinity"}).json()
-    assert routing["alone"] in (True, False) and routing["heavy_keys_packed"] == routing["young_keys"] == 0
+    assert routing["policy"] == "prefix_affinity" and routing["decisions"] == routing["left_home"] == 0
+    # Its former name still selects it.
+    assert admin.patch("/admin/routing", json={"policy": "cost"}).json()["policy"] == "prefix_affinity"
     assert admin.patch("/admin/routing", json={"policy": "round_robin"}).json()["policy"] == "round_robin"
     assert admin.patch("/admin/routing", json={"policy": "magic"}).status_code == 400
     admin.patch("/admin/routing", json={"policy": "least_load"})

@@ -49,7 +49,7 @@ class Gateway:
     def __init__(self, sims: list[EventSim], tokenizer_dir: Path, **routing: Any) -> None:
         settings = load_settings(environ={}, overrides={
             "replicas": [s.replica_settings() for s in sims],
-            "routing": {"policy": "cost", "tokenizers": {MODEL: str(tokenizer_dir)}, **routing},
+            "routing": {"tokenizers": {MODEL: str(tokenizer_dir)}, **routing},
             "pool": {"health_interval_s": 60, "metrics_interval_s": 60},
             "server_secret": SECRET,
         })

@@ -13,7 +13,7 @@ from tests.support.stack import start_stack
 SYSTEM = "You are the support assistant of Example Corp. Follow the handbook. " * 60  # ~1K tokens
 
 
-@pytest.mark.parametrize("policy", ["prefix_affinity", "cost"])
+@pytest.mark.parametrize("policy", ["prefix_affinity", "consistent_hash"])
 def test_each_request_is_analysed_once_and_its_shared_prefix_hashed_once(policy: str) -> None:
     stack = start_stack(3, routing={"policy": policy})
     try:

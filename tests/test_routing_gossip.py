@@ -82,22 +82,22 @@ def test_a_placed_conversation_is_followed_by_the_instances_told_of_it() -> None
     assert len(moved) >= 5
     relay(a, b)
     for i, placed in moved:
-        assert b.prefer(conversation(i, turns=2), replicas)[0].name == placed
+        assert b.peek(conversation(i, turns=2), replicas)[0].name == placed
         assert unaware.peek(conversation(i, turns=2), replicas)[0].name == crowded
     assert b.stats()["shared_facts"]["applied"] >= len(moved)  # type: ignore[index]
 
 
 def test_a_replica_found_holding_a_key_is_followed_elsewhere() -> None:
-    shared = RoutingSettings(share_index=True, new_key_epsilon=None)
+    shared = RoutingSettings(share_index=True)
     a, b = PrefixAffinity(shared, Clock()), PrefixAffinity(shared, Clock())
     replicas = busy_fleet()
     first = b.peek(conversation(3, turns=2), replicas)[0].name
     elsewhere = next(r.name for r in replicas if r.name != first)
     # Instance a's request was served by another replica (a retry, a spill) ...
     a.observe(conversation(3), RouteFeedback(elsewhere, 500, 0, True))
-    assert b.prefer(conversation(3, turns=2), replicas)[0].name == first  # ... b does not know yet
+    assert b.peek(conversation(3, turns=2), replicas)[0].name == first  # ... b does not know yet
     relay(a, b)
-    assert b.prefer(conversation(3, turns=2), replicas)[0].name == elsewhere
+    assert b.peek(conversation(3, turns=2), replicas)[0].name == elsewhere
     # A fact is published once: what this instance already knew is not news.
     a.observe(conversation(3), RouteFeedback(elsewhere, 500, 0, True))
     assert a.gossip is not None and len(a.gossip) == 0
@@ -148,15 +148,17 @@ def test_two_kvgates_sharing_redis_send_each_turn_where_the_first_went(redis_kin
         # The first instance has stopped sending to r1 (drained for it alone, say
         # after a failed health check): conversations that hash there go elsewhere.
         stack.runtime.pool.drain("r1")
+        a = stack.runtime.policy
         for i in range(20):
-            seen = b.gossip.applied
             went = _ask(one, i, 1)
             assert went != "r1"
-            assert _wait(lambda: b.gossip.applied >= seen + 2)  # noqa: B023 (placed, then held)
+            # Every fact the first instance published (where it placed a conversation away
+            # from its home) has reached the second.
+            assert _wait(lambda: a.gossip.published + len(a.gossip) <= b.gossip.applied)
             # Without the facts, about a quarter of these would go to their first choice, r1.
             assert _ask(two, i, 2) == went
         stats = stack.runtime.routing_stats()["shared_facts"]
-        assert stats["published"] >= 40 and stats["failing"] is False
+        assert stats["published"] >= 3 and stats["failing"] is False
     finally:
         second.stop()
         stack.close()

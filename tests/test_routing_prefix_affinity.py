@@ -1,4 +1,4 @@
-"""The cost model (``routing.policy: cost``): where the prompt is warm, what is queued, a cap at every decision."""
+"""Prefix affinity's cost model: where the prompt is warm, what is queued, a cap at every decision."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 import random
 
 from routing import RouteFeedback, RouteRequest, RoutingSettings
-from routing.cost_model import CostModel as PrefixAffinity
+from routing.prefix_affinity import PrefixAffinity
 from routing.rendezvous import rendezvous_order
 
 from bench.routing_sim import SimView as View
@@ -72,13 +72,16 @@ def test_the_bound_holds_at_every_decision_under_seeded_concurrent_load() -> Non
 
 
 def test_the_bound_counts_what_other_instances_have_in_flight() -> None:
-    # r0 is idle for this instance but reports 12 requests of other clients.
+    # Other clients have 24 requests in flight over the 4 replicas, as last reported;
+    # where they are by now is not known, so each replica counts a quarter of them.
     policy, replicas = PrefixAffinity(), fleet(4)
     home = served(policy, twin(1, 1), replicas)
-    home.running, home.waiting = 12.0, 0.0
     for r in replicas:
-        if r is not home:
-            r.running, r.waiting = 2.0, 0.0
+        r.running, r.waiting = (12.0 if r is home else 4.0), 0.0
+    # 0 + 6 + this one = 7, within ceil(1.25 x (24 + 1) / 4) = 8: the warm home takes it.
+    assert policy.prefer(twin(1, 2), replicas)[0] is home
+    # With 3 of this instance's there, 3 + 6 + 1 = 10 would pass ceil(1.25 x 28 / 4) = 9.
+    home.in_flight = 3
     assert policy.prefer(twin(1, 2), replicas)[0] is not home
 
 
