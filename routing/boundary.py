@@ -104,7 +104,7 @@ def stable_cap(rendered: Rendered, explicit: list[int]) -> int:
 
 
 def candidate_cuts(
-    rendered: Rendered, explicit: list[int], limit: int, block: int, positions: Sequence[int]
+    rendered: Rendered, explicit: list[int], limit: int, block: int, positions: Sequence[int], after: int = 0
 ) -> list[int]:
     """Offsets a routing level may end at, ascending, up to the cap.
 
@@ -112,14 +112,15 @@ def candidate_cuts(
     block positions (dense near the root, eight per doubling of depth, as the
     block index samples them) find boundaries nobody declared, such as where
     one organisation's policies end inside a long system prompt. ``limit`` is
-    the number of bytes covered by hashes (``max_blocks``).
+    the number of bytes covered by hashes (``max_blocks``). Only cuts past ``after``.
     """
     cap = min(stable_cap(rendered, explicit), limit)
-    cuts = {s.end for s in rendered.spans if s.end <= cap}
-    cuts.update(c for c in explicit if c <= cap)
-    for p in positions[: bisect_right(positions, cap // block - 1)]:
+    cuts = {s.end for s in rendered.spans if after < s.end <= cap}
+    cuts.update(c for c in explicit if after < c <= cap)
+    for p in positions[bisect_right(positions, after // block - 1): bisect_right(positions, cap // block - 1)]:
         cuts.add((p + 1) * block)
-    cuts.add(cap)
+    if cap > after:
+        cuts.add(cap)
     cuts.discard(0)
     return sorted(cuts)
 

@@ -56,25 +56,43 @@ class Popularity:
         """The index of the first key whose share is at most ``wide`` (else the last),
         and with ``record`` each key counted for this request: one pass for both."""
         young, old, tick = self._young, self._old, self._tick
+        # count / max(age, window) <= wide, without a division or a max per key.
+        floor = wide * window
         found = -1
         for j, key in enumerate(keys):
             entry = young.get(key)
             if entry is None:
                 entry = old.pop(key, None) if record else old.get(key)
                 if entry is None:
-                    if found < 0:
-                        found = j  # never seen: share 0
-                    if not record:
-                        break
-                    entry = young[key] = [0, tick]
-                elif record:
-                    young[key] = entry
-            if found < 0 and entry[0] / max(tick - entry[1] + 1, window) <= wide:
-                found = j
-                if not record:
+                    found = j  # never seen: share 0
+                    if record:
+                        young[key] = [1, tick]
+                        self._count(keys, j + 1)
                     break
+                if record:
+                    young[key] = entry
+            age = tick - entry[1] + 1
+            narrow = entry[0] <= (wide * age if age > window else floor)
             if record:
                 entry[0] += 1
+            if narrow:
+                found = j
+                if record:
+                    self._count(keys, j + 1)
+                break
         if record and len(young) > self._half:
             self._old, self._young = young, {}
         return found if found >= 0 else len(keys) - 1
+
+    def _count(self, keys: list[int], start: int) -> None:
+        """Count ``keys[start:]`` for this request (past the one chosen: no share needed)."""
+        young, old, tick = self._young, self._old, self._tick
+        for key in keys[start:]:
+            entry = young.get(key)
+            if entry is None:
+                entry = old.pop(key, None)
+                if entry is None:
+                    young[key] = [1, tick]
+                    continue
+                young[key] = entry
+            entry[0] += 1

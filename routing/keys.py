@@ -32,6 +32,7 @@ traffic by default, far from what conversations and typical tenants carry.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import xxhash
@@ -52,6 +53,10 @@ _SCRATCH_KEY = "kvgate.key"
 # wide: a burst of turns from one conversation never qualifies.
 _WIDE_MIN_COUNT = 8
 _PREFIX_ID_SALT = 0x636F6E7465787431
+# A first span this many blocks long has its sampled cuts kept (shorter: cheaper to redo),
+# for this many distinct first spans (then forgotten at once: they are recomputed cheaply).
+_INNER_MIN_BLOCKS = 16
+_INNER_CAPACITY = 4096
 _xxh = xxhash.xxh3_64_intdigest
 
 
@@ -147,6 +152,30 @@ class PrefixKeyer:
         self.popularity = Popularity(max(1000, settings.index_capacity // 4))
         self.chains = ChainCache()
         self._positions = sampled_positions(settings.max_blocks) if layers_inside_messages else ()
+        # First spans' sampled cuts and keys, by the chain hash that names the span (``_cuts``).
+        self._inner: dict[int, tuple[list[int], list[int]]] = {}
+
+    def _cuts(self, info: PrefixInfo) -> tuple[list[int], list[int]]:
+        """The candidate cuts and their keys. The sampled cuts inside the first span (the
+        system prompt or tools an application repeats) are the same for every request
+        that starts with it: found once per such prefix, named by its chain hash."""
+        data, hashes, seed, block = info.rendered.data, info.hashes, info.seed, info.block
+        spans, positions = info.rendered.spans, self._positions
+        inner = min(spans[0].end, info.limit) // block if positions and spans else 0
+        if inner < _INNER_MIN_BLOCKS or any(c <= inner * block for c in info.explicit):
+            cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions)
+            return cuts, [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c)
+                          for c in cuts]
+        got = self._inner.get(hashes[inner - 1])
+        if got is None:
+            if len(self._inner) >= _INNER_CAPACITY:
+                self._inner.clear()
+            sampled = positions[: bisect_right(positions, inner - 1)]
+            got = self._inner[hashes[inner - 1]] = ([(p + 1) * block for p in sampled], [hashes[p] for p in sampled])
+        inner_cuts, inner_keys = got
+        rest = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions, after=inner_cuts[-1])
+        return inner_cuts + rest, inner_keys + [
+            hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c) for c in rest]
 
     def key_for(self, request: RouteRequest, replicas: int, learn: bool = True) -> RouteKey:
         """The request's routing key in a fleet of ``replicas``.
@@ -162,10 +191,8 @@ class PrefixKeyer:
         n = max(replicas, 1)
         wide_share = self.settings.hot_fraction / n
         window = max(64, math.ceil(_WIDE_MIN_COUNT / wide_share))
-        data, hashes, seed, block = info.rendered.data, info.hashes, info.seed, info.block
-        cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, self._positions)
-        keys = [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c) for c in cuts]
-        chosen = RouteKey(seed, 0, 0, seed, seed)
+        cuts, keys = self._cuts(info)
+        chosen = RouteKey(info.seed, 0, 0, info.seed, info.seed)
         if learn:
             # Every cut is counted, not only the walked ones: a deeper prefix's share
             # must be known from the start, or it would lag behind its parent's.
