@@ -51,7 +51,7 @@ def test_rendered_ids_are_the_ids_generation_prefills_and_tokenize_returns() -> 
     assert len(completion_render["token_ids"]) == gp.json()["usage"]["prompt_tokens"] > 50
     # The render does not run the engine: no request reached its pool.
     [s] = _run_get(app, "/sim/stats")
-    assert s.json()["engine_requests"] == 2
+    assert s.json()["engine_requests"] == 2 and s.json()["renders"] == 2
 
 
 def _run_get(app: Any, path: str) -> list[httpx.Response]:

@@ -128,12 +128,15 @@ def utility_routes(replica: Replica) -> list[Route]:
     score = json_route(lambda b: utility.score(b, config, rid("score"), int(time.time())))
     pooling = json_route(lambda b: utility.pooling(b, config, rid("pool"), int(time.time())))
     classify = json_route(lambda b: utility.classify(b, config, rid("classify"), int(time.time())))
+
     async def render_chat(request: Request, faults: Faults) -> Response:
         body = parse_json(await request.body())
+        replica.renders += 1
         return _json(await render.render_chat(body, config, replica.prompts, request.headers.get("x-request-id")))
 
     async def render_completion(request: Request, faults: Faults) -> Response:
         body = parse_json(await request.body())
+        replica.renders += 1
         return _json(await render.render_completion(body, config, replica.prompts,
                                                     request.headers.get("x-request-id")))
 
