@@ -92,12 +92,32 @@ def test_render_carries_vllms_request_id_stream_and_max_tokens_rules() -> None:
     ("/v1/chat/completions/render", {"model": MODEL, **CHAT, "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions/render", {"model": MODEL, "prompt": "word " * 5000}, 400, "input_tokens"),
     ("/v1/completions/render", {"model": MODEL, "prompt": {"not": "a prompt"}}, 400, "prompt"),
+    ("/v1/chat/completions/render", {"model": MODEL, **CHAT, "stop_token_ids": 5}, 400, "stop_token_ids"),
+    ("/v1/chat/completions/render", {"model": MODEL, **CHAT, "temperature": "hot"}, 400, "temperature"),
 ])
 def test_bad_render_requests_get_vllms_error_shape(path: str, body: dict[str, Any], status: int, param: str) -> None:
     [r] = _run(build_app(SimConfig(model=MODEL, max_model_len=4096)), (path, body, {}))
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == status and error["param"] == param and error["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+TOOL_TURN = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}
+TOOL_CHAT = {"messages": [*CHAT["messages"], TOOL_TURN, {"role": "tool", "tool_call_id": "call_1", "content": "r2"}],
+             "tools": [TOOL]}
+
+
+def test_chat_render_keeps_what_a_generate_server_needs_to_parse_the_output() -> None:
+    tool, body = TOOL, {"model": MODEL, **TOOL_CHAT}
+    [r] = _run(build_app(SimConfig(model=MODEL)), ("/v1/chat/completions/render", body, {}))
+    assert r.status_code == 200, r.text
+    context = r.json()["parse_context"]
+    assert context["tools"] == [{"type": "function", "function": {"name": "lookup", "description": None,
+                                                                  "parameters": tool["function"]["parameters"]}}]
+    assert context["tool_choice"] == "auto" and context["history_tool_call_cnt"] == 1
+    assert context["chat_template_kwargs"]["add_generation_prompt"] is True
 
 
 def test_render_obeys_the_whole_response_faults() -> None:
@@ -188,7 +208,8 @@ print(json.dumps(failures))
 def test_render_responses_validate_as_vllms_generate_request(tmp_path: Path) -> None:
     python = need_vllm()
     app = build_app(SimConfig(model=MODEL))
-    bodies = [(path, {"model": MODEL, **body}, {}) for path, body in PARITY[:8]]
+    cases = [*PARITY[:8], ("/v1/chat/completions/render", TOOL_CHAT)]
+    bodies = [(path, {"model": MODEL, **body}, {}) for path, body in cases]
     responses = _run(app, *bodies)
     assert all(r.status_code == 200 for r in responses)
     data = tmp_path / "render.json"

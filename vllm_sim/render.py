@@ -106,7 +106,9 @@ def _sampling_params(kind: Kind, body: dict[str, Any], max_tokens: int, n: int, 
     if isinstance(seed, int) and not isinstance(seed, bool):
         params["seed"] = seed
     stop_ids = body.get("stop_token_ids") or []
-    params.update(stop=_stop(body), stop_token_ids=list(stop_ids))
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ApiError(400, "stop_token_ids must be a list of integers.", param="stop_token_ids")
+    params.update(stop=_stop(body), stop_token_ids=stop_ids)
     if body.get("ignore_eos") is True:
         params["ignore_eos"] = True
     if max_tokens != 16:  # SamplingParams' own default, so vLLM leaves it out
@@ -144,10 +146,10 @@ def _parse_context(body: dict[str, Any]) -> dict[str, Any]:
     """What a generate server needs to parse the chat output (vLLM's ParseContext)."""
     tools = body.get("tools")
     if tools:
-        tools = [{"type": "function", "function": {"name": t.get("function", {}).get("name"),
-                                                    "description": t.get("function", {}).get("description"),
-                                                    "parameters": t.get("function", {}).get("parameters")}}
-                 for t in tools if isinstance(t, dict)]
+        # vLLM's ChatCompletionToolsParam spells out a missing description as null.
+        functions = [t["function"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+        tools = [{"type": "function", "function": {"name": f.get("name"), "description": f.get("description"),
+                                                    "parameters": f.get("parameters")}} for f in functions]
     kwargs = {**_TEMPLATE_DEFAULTS, **(body.get("chat_template_kwargs") or {}),
               "add_generation_prompt": body.get("add_generation_prompt", True),
               "continue_final_message": body.get("continue_final_message", False)}
