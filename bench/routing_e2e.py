@@ -21,10 +21,13 @@ else a private ``redis-server`` started for the run).
 The real SGLang model gateway runs over the same replicas as rows
 ``smg:cache_aware``, ``smg:round_robin`` and ``smg:prefix_hash`` (``bench.smg``;
 ``pip install smg``, in the ``bench`` extra; left out with a note if it is
-not installed):
+not installed), and vLLM's own router as ``vllm-router:cache_aware``,
+``vllm-router:round_robin`` and ``vllm-router:consistent_hash``
+(``bench.vllm_router``; ``pip install vllm-router``, likewise):
 
     python -m bench.routing_e2e --workloads heavy_orgs heavy_orgs_burst \
-        --policies round_robin least_load prefix_affinity smg:cache_aware smg:round_robin
+        --policies round_robin least_load prefix_affinity smg:cache_aware smg:round_robin \
+        vllm-router:cache_aware
 
 ``heavy_orgs`` is the generated suite's ``heavy4-closed8`` family (as many
 heavy organisations as replicas, 8 closed-loop clients, a few hundred
@@ -53,12 +56,14 @@ import orjson
 from bench.chaos_fleet import RedisProc, _kill, free_port, kvgate_config, start_kvgate, start_sims
 from bench.routing_replay import Usage, replay, summarise
 from bench.smg import SMG_POLICIES, smg_binary, start_smg
+from bench.vllm_router import VLLM_ROUTER_POLICIES, start_vllm_router, vllm_router_binary
 from bench.workloads import ClosedLoop, Request, Workload
 from gateway.pool import parse_vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix_affinity",
-            *(f"smg:{p}" for p in SMG_POLICIES)]
+            *(f"smg:{p}" for p in SMG_POLICIES), *(f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES)]
+PEERS = {"smg": (start_smg, smg_binary), "vllm-router": (start_vllm_router, vllm_router_binary)}
 WORKLOADS = ["shared_prefix", "mtbench", "unique", "heavy_orgs", "heavy_orgs_burst"]
 GENERATED = {"heavy_orgs": "heavy4-closed8", "heavy_orgs_burst": "heavy4-burst16"}
 
@@ -145,9 +150,10 @@ def max_over_mean(counts: list[int]) -> float:
 def _start_gateways(policy: str, sims: list[Any], workdir: Path, args: argparse.Namespace,
                     redis_url: str | None, gws: list[Any]) -> None:
     """Start ``args.instances`` gateways into ``gws`` (the caller kills whatever started, on failure too)."""
-    if policy.startswith("smg:"):
+    peer, _, peer_policy = policy.partition(":")
+    if peer in PEERS:
         for _ in range(args.instances):
-            gws.append(start_smg(policy[4:], [s.url for s in sims], workdir))
+            gws.append(PEERS[peer][0](peer_policy, [s.url for s in sims], workdir))
         return
     routing: dict[str, Any] = {"policy": policy}
     extra: dict[str, Any] = {}
@@ -182,13 +188,13 @@ async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: 
             _kill(gw.proc)
 
 
-HEADER = (f"{'workload':<18}{'policy':<24}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
+HEADER = (f"{'workload':<18}{'policy':<28}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
           f"{'ttft p50':>10}{'ttft p95':>10}{'req max/mean':>14}  {'requests per replica':<22}{'errors':>7}")
 
 
 def _row(name: str, r: dict[str, Any]) -> str:
     counts = "/".join(str(c) for c in r["requests_per_replica"])
-    return (f"{name:<18}{r['policy']:<24}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
+    return (f"{name:<18}{r['policy']:<28}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
             f"{r['ttft_p50_s'] * 1000:>8.0f}ms{r['ttft_p95_s'] * 1000:>8.0f}ms{r['max_over_mean_requests']:>14.2f}"
             f"  {counts:<22}{r['errors']:>7}")
 
@@ -213,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instances", type=int, default=1, help="kvgate processes (requests spread at random)")
     p.add_argument("--redis-url", default=None, help=f"Redis for {SHARED} (default: a private redis-server)")
     args = p.parse_args(argv)
-    if smg_binary() is None and any(x.startswith("smg:") for x in args.policies):
-        print("smg not installed (pip install smg, the bench extra): its rows are left out", flush=True)
-        args.policies = [x for x in args.policies if not x.startswith("smg:")]
+    for peer, (_, binary) in PEERS.items():
+        if binary() is None and any(x.startswith(peer + ":") for x in args.policies):
+            print(f"{peer} not installed (pip install {peer}, the bench extra): its rows are left out", flush=True)
+            args.policies = [x for x in args.policies if not x.startswith(peer + ":")]
     redis: RedisProc | None = None
     if args.instances > 1 and "prefix_affinity" in args.policies and SHARED not in args.policies:
         args.policies.append(SHARED)

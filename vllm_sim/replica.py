@@ -43,6 +43,7 @@ class Replica:
         # API requests received (generation and embeddings), faulted or invalid included:
         # what a test counts to check that a gateway retried, or never forwarded.
         self.http_requests = 0
+        self.renders = 0
         self.faulted: dict[str, int] = {}
         # The real tokenizer when configured (seconds to load: once, here), else the stand-in.
         self.prompts: HFPrompts | None = None
@@ -70,6 +71,7 @@ class Replica:
         self.engine.publish_kv_events()
         self.engine.stats = EngineStats()
         self.http_requests = 0
+        self.renders = 0
         self.faulted = {}
 
     def close(self) -> None:
@@ -86,6 +88,8 @@ class Replica:
             "requests": self.http_requests,
             # Those that got as far as the engine.
             "engine_requests": engine.stats.requests,
+            # Render requests answered (a router tokenizing through this replica), not in engine_requests.
+            "renders": self.renders,
             "faulted": dict(self.faulted),
             "running": engine.num_running,
             "waiting": engine.num_waiting,

@@ -10,7 +10,8 @@ Endpoints: ``GET /health`` (503 with the ``unhealthy`` fault), ``GET /version``,
 ``POST /v1/embeddings``, ``POST /v1/responses`` with ``GET /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` (``vllm_sim.responses``), ``POST /v1/messages`` and
 ``/v1/messages/count_tokens`` (Anthropic's Messages API, ``vllm_sim.messages``), ``GET /metrics``, the utility,
-pooling and audio routes of ``vllm_sim.utility_http`` (``/tokenize``, ``/rerank``, ``/v1/audio/transcriptions``, ...);
+pooling, render and audio routes of ``vllm_sim.utility_http`` (``/tokenize``, ``/rerank``,
+``/v1/chat/completions/render``, ``/v1/audio/transcriptions``, ...);
 control plane: ``GET|POST /sim/faults`` (POST replaces the whole fault set, ``{}`` clears it), ``GET /sim/stats``,
 ``POST /sim/reset`` (drops cached blocks and counters).
 """

@@ -2,9 +2,9 @@
 
 Like ``/v1/embeddings``, each request first rolls the whole-response faults
 (``error_rate``, ``rate_limit_rate``, ``html_200``), so a gateway's error paths can
-be tested on these routes too. The tokenizer and pooling routes answer at once; the
-audio routes decode their transcript through the engine (``audio``), so a streamed
-transcription also obeys ``die_after_tokens`` and ``stall_before_first_token_s``.
+be tested on these routes too. The tokenizer, render (``render``) and pooling routes
+answer at once, without the engine; the audio routes decode their transcript through
+the engine (``audio``), so a streamed transcription also obeys ``die_after_tokens`` and ``stall_before_first_token_s``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from vllm_sim import utility
+from vllm_sim import render, utility
 from vllm_sim.audio import AudioRequest, StreamFormat, Task, audio_response, audio_tokens, transcript
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import GenRequest
@@ -128,10 +128,24 @@ def utility_routes(replica: Replica) -> list[Route]:
     score = json_route(lambda b: utility.score(b, config, rid("score"), int(time.time())))
     pooling = json_route(lambda b: utility.pooling(b, config, rid("pool"), int(time.time())))
     classify = json_route(lambda b: utility.classify(b, config, rid("classify"), int(time.time())))
+
+    async def render_chat(request: Request, faults: Faults) -> Response:
+        body = parse_json(await request.body())
+        replica.renders += 1
+        return _json(await render.render_chat(body, config, replica.prompts, request.headers.get("x-request-id")))
+
+    async def render_completion(request: Request, faults: Faults) -> Response:
+        body = parse_json(await request.body())
+        replica.renders += 1
+        return _json(await render.render_completion(body, config, replica.prompts,
+                                                    request.headers.get("x-request-id")))
+
     transcribe = _guarded(replica, _audio(replica, "transcribe"))
     translate = _guarded(replica, _audio(replica, "translate"))
     routes = [("/tokenize", tokenize), ("/detokenize", detokenize), ("/rerank", rerank), ("/v1/rerank", rerank),
               ("/v2/rerank", rerank), ("/score", score), ("/v1/score", score), ("/pooling", pooling),
               ("/classify", classify), ("/v1/audio/transcriptions", transcribe),
-              ("/v1/audio/translations", translate)]
+              ("/v1/audio/translations", translate),
+              ("/v1/chat/completions/render", _guarded(replica, render_chat)),
+              ("/v1/completions/render", _guarded(replica, render_completion))]
     return [Route(path, handler, methods=["POST"]) for path, handler in routes]
