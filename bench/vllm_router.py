@@ -19,53 +19,23 @@ of every 30 s.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
+from bench.chaos_fleet import LocalServer
+from bench.peers import binary, start_peer
 
-from bench.chaos_fleet import HOST, LocalServer, _kill, free_port
-
-__all__ = ["VLLM_ROUTER_POLICIES", "VllmRouter", "start_vllm_router", "vllm_router_binary"]
+__all__ = ["VLLM_ROUTER_POLICIES", "vllm_router_binary", "start_vllm_router"]
 
 VLLM_ROUTER_POLICIES = ("cache_aware", "round_robin", "consistent_hash")
 
 
 def vllm_router_binary() -> str | None:
     """The ``vllm-router`` next to this interpreter (the venv's), else on PATH; None if not installed."""
-    here = Path(sys.executable).parent / "vllm-router"
-    return str(here) if here.exists() else shutil.which("vllm-router")
+    return binary("vllm-router")
 
 
-class VllmRouter(LocalServer):
-    """A vllm-router process (``start_vllm_router``)."""
-
-
-def start_vllm_router(policy: str, worker_urls: list[str], workdir: Path, *, timeout: float = 60.0) -> VllmRouter:
+def start_vllm_router(policy: str, worker_urls: list[str], workdir: Path, *,
+                      timeout: float = 60.0) -> LocalServer:
     """``vllm-router`` with ``policy`` over ``worker_urls``; returns once every worker is healthy."""
-    binary = vllm_router_binary()
-    if binary is None:
-        raise RuntimeError("vllm-router is not installed (pip install vllm-router: the bench extra)")
-    port = free_port()
-    log_path = workdir / f"vllm-router-{policy}.log"
-    argv = [binary, "--host", HOST, "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
-            "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
-            "--worker-startup-check-interval", "1", "--log-level", "warning"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    router = VllmRouter(port, proc, log_path)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            r = httpx.get(router.url + "/readiness", timeout=1)
-            if r.status_code == 200 and r.json().get("healthy_workers") == len(worker_urls):
-                return router
-        except (httpx.HTTPError, ValueError):
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _kill(proc)
-            raise RuntimeError(f"vllm-router did not become ready:\n{router.log_tail()}")
-        time.sleep(0.1)
+    args = ["--policy", policy, "--worker-startup-check-interval", "1", "--log-level", "warning"]
+    return start_peer("vllm-router", args, worker_urls, workdir, policy, timeout)
