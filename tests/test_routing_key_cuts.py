@@ -10,7 +10,8 @@ from routing.boundary import candidate_cuts
 from routing.hashing import cut_hash
 from routing.keys import PrefixKeyer, analyse
 
-words = st.lists(st.sampled_from(["policy", "refund", "order", "café", "λ", "tool", "\n", "  "]), min_size=0, max_size=600)
+words = st.lists(st.sampled_from(["policy", "refund", "order", "café", "λ", "tool", "\n", "  "]),
+                 min_size=0, max_size=600)
 
 
 @settings(max_examples=60, deadline=None)
