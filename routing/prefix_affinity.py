@@ -12,7 +12,9 @@ KV router asks the same.)
   there, or was told of). Prefill is linear in these tokens, so this is the
   work the replica must do before the first token.
 * ``queued(r)``: prompt work ahead of it: what this instance sent ``r`` and
-  ``r`` has not prefilled yet (``routing.backlog``), plus the requests ``r``
+  ``r`` has not prefilled yet (``routing.backlog``: drained at the fleet's
+  prefill rate, and a reply proves its own prefill and all queued before it
+  done), plus the requests ``r``
   reports waiting for other clients, each weighed as an average request of
   ours (their prompts are not known here; their traffic is assumed alike).
 * the last term has two parts, both per request in flight at ``r``. The first
