@@ -89,6 +89,26 @@ async def test_a_cut_stream_degrades_the_replica_and_replay_recovers_it(fleet: K
         r.stop()
 
 
+async def test_late_events_are_held_in_order_then_applied_with_no_gap(fleet: KVEvents) -> None:
+    r = Replica("r1").start()
+    try:
+        fleet.sync({"r1": r.endpoints})
+        await until(lambda: fleet.live("r1"))
+        await r.faults(kv_events_delay_s=3600.0)  # held until the delay is lowered
+        first, second = prompt(11, 3), prompt(12, 2)
+        await r.complete(first)
+        await r.complete(second)
+        publisher = r.replica.publisher
+        assert publisher is not None and publisher.pending >= 2  # handed over at step end, not sent
+        assert held(fleet, first, "r1") == 0 and held(fleet, second, "r1") == 0
+        await r.faults(kv_events_delay_s=0.0)  # the held batches go out at once, in order
+        await until(lambda: held(fleet, first, "r1") == 3 and held(fleet, second, "r1") == 2)
+        s = fleet.streams["r1"]
+        assert publisher.pending == 0 and s.gaps == 0 and s.resets == 0 and fleet.live("r1")
+    finally:
+        r.stop()
+
+
 async def test_a_restarted_replica_is_cleared_then_relearned(fleet: KVEvents) -> None:
     r = Replica("r1").start()
     try:
