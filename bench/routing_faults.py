@@ -26,14 +26,19 @@ replicas reset to cold, and injects its fault ``--fault-at`` seconds in:
 
 Every ``--window`` seconds (2) it reads the replicas' own
 ``vllm:prefix_cache_hits_total`` / ``_queries_total`` (a restarted replica's
-counters start again from 0: counted from there) and ``GET /admin/routing``
-(r2's mode, gaps, gaps replayed, resets, reconnects); per window it prints
-the requests started, client errors, the fleet hit ratio from those counters
-and from ``usage.prompt_tokens_details.cached_tokens``, and r2's mode as
-sampled every 0.25 s (P precise, a approximate). Then one table across
-scenarios.
+counters start again from 0: counted from there) and ``GET /admin/routing``.
+Per window it prints the requests started and the client errors; the fleet
+hit ratio from those counters and from ``usage.prompt_tokens_details.cached_tokens``;
+r2's requests and its own hit ratio; "moved", the follow-up turns sent to
+another replica than the turn before them (whose context was cached there:
+each one is a prefill the index did not save, unless the load bound chose
+it, which the baseline shows); r2's mode as sampled every 0.25 s (P precise,
+a approximate), its stream's gaps, gaps replayed, resets and reconnects, the
+events it delivered in the window and the blocks kvgate's index holds for it.
+Then the fleet hit ratio of every scenario side by side, and each scenario
+before, during and after its fault.
 
-    python -m bench.routing_faults                              # all five, about 4 minutes
+    python -m bench.routing_faults                              # all five, 336 requests each, 6 minutes
     python -m bench.routing_faults --scenarios none cut --rate 1 --duration 20
 
 Figures depend on the machine's load: report ``uptime`` beside them.
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import signal
@@ -158,9 +164,9 @@ class Sampler:
         except httpx.HTTPError:
             return None
 
-    async def _counters(self) -> tuple[float, float]:
-        """Fleet hits and queries (tokens) since the last call; a restarted replica's count from its 0."""
-        hits = queries = 0.0
+    async def _counters(self) -> dict[str, tuple[float, float]]:
+        """Each replica's hits and queries (tokens) since the last call; a restarted one's from its 0."""
+        out: dict[str, tuple[float, float]] = {}
         for s in self.sims:
             pid = s.proc.pid if s.proc is not None else -1
             try:
@@ -171,9 +177,9 @@ class Sampler:
             lpid, lh, lq = self._last.get(s.name, (pid, 0.0, 0.0))
             if pid != lpid:  # another process on the same port: its counters started from 0
                 lh = lq = 0.0
-            hits, queries = hits + h - lh, queries + q - lq
+            out[s.name] = (h - lh, q - lq)
             self._last[s.name] = (pid, h, q)
-        return hits, queries
+        return out
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._counters()  # the zero point
@@ -185,33 +191,77 @@ class Sampler:
             row = (routing or {}).get("kv_events", {}).get("replicas", {}).get(VICTIM)
             self.modes.append((now, "?" if row is None else row["mode"]))
             if now >= next_window:
-                hits, queries = await self._counters()
-                self.windows.append({"end_s": next_window, "replica_hits": hits, "replica_queries": queries,
-                                     "victim": {k: row.get(k) for k in ("mode", "state", "gaps", "gaps_replayed",
-                                                                        "resets", "reconnects", "events_received")}
-                                     if row else None,
+                counts = await self._counters()
+                self.windows.append({"end_s": next_window, "counters": counts,
+                                     "victim": {**{k: row.get(k) for k in ("mode", "state", "gaps", "gaps_replayed",
+                                                                           "resets", "reconnects", "events_received")},
+                                                "blocks": (row.get("index") or {}).get("blocks")} if row else None,
                                      "precise_decisions": (routing or {}).get("precise_decisions")})
                 next_window += self.window_s
 
 
-def timeline(results: list[Result], replicas: dict[int, str], sampler: Sampler, window_s: float) -> list[dict[str, Any]]:
-    """Per window: requests started, client errors (the victim's apart), hit ratios, the victim's modes."""
+def _ratio(hits: float, queries: float) -> float | None:
+    return hits / queries if queries else None
+
+
+def timeline(workload: Workload, results: list[Result], replicas: dict[int, str], sampler: Sampler,
+             window_s: float) -> list[dict[str, Any]]:
+    """Per window: requests started, client errors, hit ratios (fleet and victim), moved turns, the victim's modes.
+
+    A follow-up turn is "moved" when it went to another replica than the turn before it: its
+    context was cached there, so each move is a prefill the index did not save (or the load
+    bound chose, which the baseline shows).
+    """
+    prev = {r.rid: r.prev for r in workload.requests}
     rows = []
-    for i, w in enumerate(sampler.windows):
+    received = None
+    for w in sampler.windows:
         lo, hi = w["end_s"] - window_s, w["end_s"]
         started = [r for r in results if lo <= r.started < hi]
         ok = [r.usage for r in started if r.usage is not None]
         prompt = sum(u.prompt_tokens for u in ok)
         cached = sum(u.cached_tokens or 0 for u in ok)
+        follow = [r for r in started if not r.error and prev[r.rid] is not None and prev[r.rid] in replicas]
+        moved = sum(1 for r in follow if replicas.get(r.rid) != replicas[prev[r.rid]])  # type: ignore[index]
         modes = "".join("P" if m == "precise" else "a" if m == "approximate" else "?"
                         for t, m in sampler.modes if lo <= t < hi)
+        counts = w["counters"]
+        hits, queries = sum(h for h, _ in counts.values()), sum(q for _, q in counts.values())
         errors = [r for r in started if r.error]
-        rows.append({"from_s": lo, "to_s": hi, "requests": len(started), "errors": len(errors),
-                     "errors_on_victim": sum(1 for r in errors if replicas.get(r.rid) == VICTIM),
-                     "hit_replicas": w["replica_hits"] / w["replica_queries"] if w["replica_queries"] else None,
-                     "hit_cached_tokens": cached / prompt if prompt else None, "victim_modes": modes,
-                     "victim": w["victim"], "window": i})
+        total = (w["victim"] or {}).get("events_received")
+        events = None if total is None or received is None else total - received
+        received = total if total is not None else received
+        rows.append({"events": events, "from_s": lo, "to_s": hi, "requests": len(started), "errors": len(errors),
+                     "errors_on_victim": sum(1 for r in errors if _on_victim(r, replicas)),
+                     "hit_replicas": _ratio(hits, queries), "hit_cached_tokens": _ratio(cached, prompt),
+                     "victim_requests": sum(1 for r in started if replicas.get(r.rid) == VICTIM),
+                     "hit_victim": _ratio(*counts[VICTIM]) if VICTIM in counts else None,
+                     "follow_ups": len(follow), "moved": moved, "victim_modes": modes,
+                     "victim": w["victim"], "precise_decisions": w["precise_decisions"]})
     return rows
+
+
+def phases(workload: Workload, results: list[Result], replicas: dict[int, str], marks: list[tuple[float, str]],
+           args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Before the fault, during it (to one window past its end, the relearning), and after: by request start."""
+    start = marks[0][0] if marks else args.fault_at
+    end = (marks[-1][0] if len(marks) > 1 else start + args.cut_s) + args.window
+    prev = {r.rid: r.prev for r in workload.requests}
+    out = {}
+    for name, lo, hi in (("before", 0.0, start), ("during", start, end), ("after", end, float("inf"))):
+        rs = [r for r in results if lo <= r.started < hi]
+        ok = [r.usage for r in rs if r.usage is not None]
+        follow = [r for r in rs if not r.error and prev[r.rid] is not None and prev[r.rid] in replicas]
+        moved = sum(1 for r in follow if replicas.get(r.rid) != replicas[prev[r.rid]])  # type: ignore[index]
+        out[name] = {"from_s": lo, "to_s": hi, "requests": len(rs), "errors": sum(1 for r in rs if r.error),
+                     "hit": _ratio(sum(u.cached_tokens or 0 for u in ok), sum(u.prompt_tokens for u in ok)),
+                     "moved": moved, "follow_ups": len(follow)}
+    return out
+
+
+def _on_victim(r: Result, replicas: dict[int, str]) -> bool:
+    # kvgate's own error (a 502 before any byte) carries no replica header; its message names it.
+    return replicas.get(r.rid) == VICTIM or f"replica {VICTIM} " in (r.error or "")
 
 
 # -- one scenario --------------------------------------------------------------------------------
@@ -272,12 +322,13 @@ async def _drive(name: str, workload: Workload, sims: list[Sim], gw_url: str, ad
         stop.set()
         await watch
         final = await sampler._routing()
-    rows = timeline(results, replicas, sampler, args.window)
+    rows = timeline(workload, results, replicas, sampler, args.window)
     errors = [r for r in results if r.error]
     return {"scenario": name, "requests": len(results), "errors": len(errors),
-            "errors_on_victim": sum(1 for r in errors if replicas.get(r.rid) == VICTIM),
+            "errors_on_victim": sum(1 for r in errors if _on_victim(r, replicas)),
             "error_samples": sorted({r.error or "" for r in errors})[:5], "marks": sampler.events,
-            "timeline": rows, "victim_final": (final or {}).get("kv_events", {}).get("replicas", {}).get(VICTIM)}
+            "timeline": rows, "phases": phases(workload, results, replicas, sampler.events, args),
+            "victim_final": (final or {}).get("kv_events", {}).get("replicas", {}).get(VICTIM)}
 
 
 def run_scenario(name: str, workload: Workload, sims: list[Sim], tokenizer: str, workdir: Path,
@@ -289,7 +340,7 @@ def run_scenario(name: str, workload: Workload, sims: list[Sim], tokenizer: str,
                         admin={"host": "127.0.0.1", "port": admin_port, "token": ADMIN_TOKEN},
                         pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0})
     (workdir / name).mkdir(exist_ok=True)
-    gw = start_kvgate(workdir / name, cfg)
+    gw = start_kvgate(workdir / name, cfg, timeout=180)  # its tokenizer loads in seconds, minutes on a busy box
     admin_url = f"http://127.0.0.1:{admin_port}"
     try:
         _wait_precise(admin_url)
@@ -309,14 +360,17 @@ def print_scenario(r: dict[str, Any]) -> None:
           f"({r['errors_on_victim']} on {VICTIM}){'; ' + marks if marks else ''}")
     for e in r["error_samples"]:
         print(f"   error: {e[:160]}")
-    print(f"{'window':>12}{'requests':>10}{'errors':>8}{'hit (replicas)':>16}{'hit (cached_tokens)':>21}"
-          f"  {VICTIM + ' mode':<12}{'gaps':>6}{'replayed':>10}{'resets':>8}{'reconnects':>12}")
+    print(f"{'window':>12}{'requests':>9}{'errors':>7}{'hit fleet':>11}{'(cached_tokens)':>16}"
+          f"{VICTIM + ' req':>8}{VICTIM + ' hit':>8}{'moved':>9}  {VICTIM + ' mode':<12}{'gaps':>5}{'replayed':>9}"
+          f"{'resets':>7}{'reconnects':>11}{'events':>8}{'blocks':>8}")
     for w in r["timeline"]:
         v = w["victim"] or {}
-        print(f"{w['from_s']:>5.0f}-{w['to_s']:<4.0f} s{w['requests']:>10}{w['errors']:>8}"
-              f"{_pct(w['hit_replicas']):>16}{_pct(w['hit_cached_tokens']):>21}  {w['victim_modes']:<12}"
-              f"{v.get('gaps', '-'):>6}{v.get('gaps_replayed', '-'):>10}{v.get('resets', '-'):>8}"
-              f"{v.get('reconnects', '-'):>12}")
+        moved = f"{w['moved']}/{w['follow_ups']}"
+        print(f"{w['from_s']:>5.0f}-{w['to_s']:<4.0f} s{w['requests']:>9}{w['errors']:>7}"
+              f"{_pct(w['hit_replicas']):>11}{_pct(w['hit_cached_tokens']):>16}{w['victim_requests']:>8}"
+              f"{_pct(w['hit_victim']):>8}{moved:>9}  {w['victim_modes']:<12}{v.get('gaps', '-'):>5}"
+              f"{v.get('gaps_replayed', '-'):>9}{v.get('resets', '-'):>7}{v.get('reconnects', '-'):>11}"
+              f"{'-' if w['events'] is None else w['events']:>8}{v.get('blocks', '-'):>8}")
 
 
 def print_across(out: list[dict[str, Any]]) -> None:
@@ -335,19 +389,29 @@ def print_across(out: list[dict[str, Any]]) -> None:
             cells.append(f"{_pct(w['hit_replicas']):>9}{flag}")
         print(f"{label:>12}" + "".join(cells))
     print(f"{'errors':>12}" + "".join(f"{r['errors']:>10}" for r in out))
+    print("\nby phase (request start; 'during' runs one window past the fault's end): hit ratio (cached_tokens) / "
+          "follow-up turns moved to another replica")
+    print(f"{'scenario':<10}{'before':>18}{'during':>24}{'after':>18}{'errors':>8}  "
+          f"{VICTIM} at the end: gaps / replayed / resets / reconnects")
+    for r in out:
+        ph, v = r["phases"], r["victim_final"] or {}
+        cells = [f"{_pct(ph[k]['hit'])} {ph[k]['moved']}/{ph[k]['follow_ups']}" for k in ("before", "during", "after")]
+        span = f"({ph['during']['from_s']:.0f}-{ph['during']['to_s']:.0f} s)"
+        counters = " / ".join(str(v.get(k, "-")) for k in ("gaps", "gaps_replayed", "resets", "reconnects"))
+        print(f"{r['scenario']:<10}{cells[0]:>18}{span:>11}{cells[1]:>13}{cells[2]:>18}{r['errors']:>8}  {counters}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", nargs="+", default=SCENARIOS, choices=SCENARIOS)
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--duration", type=float, default=30.0, help="conversations start during this many seconds")
-    p.add_argument("--rate", type=float, default=2.0, help="conversations started per second")
+    p.add_argument("--duration", type=float, default=40.0, help="conversations start during this many seconds")
+    p.add_argument("--rate", type=float, default=1.5, help="conversations started per second")
     p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--systems", type=int, default=8, help="distinct system prompts")
+    p.add_argument("--systems", type=int, default=16, help="distinct system prompts")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--window", type=float, default=2.0, help="seconds per timeline row")
-    p.add_argument("--fault-at", type=float, default=10.0)
+    p.add_argument("--fault-at", type=float, default=8.0)
     p.add_argument("--cut-s", type=float, default=5.0)
     p.add_argument("--late-s", type=float, default=0.5)
     p.add_argument("--late-for", type=float, default=10.0)
@@ -356,10 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = p.parse_args(argv)
     workload = conversations(duration_s=args.duration, rate=args.rate, turns=args.turns, systems=args.systems,
-                             system_tokens=512, user_tokens=48, answer_tokens=48, think_s=(0.05, 0.3),
+                             system_tokens=256, user_tokens=64, answer_tokens=96, think_s=(0.05, 0.3),
                              seed=args.seed)
     tokenizer = tokenizer_dir()
-    print(f"workload: {workload.description}, {len(workload.requests)} requests per scenario", flush=True)
+    print(f"workload: {workload.description}, {len(workload.requests)} requests per scenario; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     sims = start_event_sims([f"r{i + 1}" for i in range(args.replicas)], {
         "kv_blocks": args.kv_blocks, "prefill_s_per_token": 0.00005, "decode_base_s": 0.005,
         "max_num_seqs": 16}, tokenizer)
@@ -371,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             print_scenario(r)
             out.append(r)
         print_across(out)
+        print(f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "routing_faults.json").write_text(json.dumps(out, indent=1))
     finally:
