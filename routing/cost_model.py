@@ -138,7 +138,7 @@ class CostModel:
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         if self.truth is not None:
-            self.truth.done(request.scratch.pop(_PENDING, None))
+            self.truth.done(request.scratch.pop(_PENDING, None), served=feedback.ok)
         if not feedback.ok:
             return
         info = analyse(request, self.settings, self.keyer.chains)
