@@ -52,6 +52,8 @@ class Sim:
     port: int
     flags: dict[str, Any]
     proc: subprocess.Popen[bytes] | None = None
+    # Loading a real tokenizer (--tokenizer) takes seconds more, and longer with several starting at once.
+    startup_timeout: float = 20.0
 
     @property
     def url(self) -> str:
@@ -62,7 +64,8 @@ class Sim:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> "Sim":
-        self.proc = start_sim_process(self.port, host=HOST, name=self.name, model=MODEL, **self.flags)
+        self.proc = start_sim_process(self.port, host=HOST, name=self.name, model=MODEL,
+                                      startup_timeout=self.startup_timeout, **self.flags)
         return self
 
     def kill(self) -> None:

@@ -29,6 +29,17 @@ not installed), and vLLM's own router as ``vllm-router:cache_aware``,
         --policies round_robin least_load prefix_affinity smg:cache_aware smg:round_robin \
         vllm-router:cache_aware
 
+With ``--precise`` the replicas tokenize with a real tokenizer directory (the
+MiniLM one ``kvgate demo --precise`` builds) and publish KV events in vLLM's
+wire format, and a ``prefix_affinity precise`` row runs kvgate with that
+directory for the model and every replica's ``kv_events``/``kv_events_replay``,
+beside ``prefix_affinity`` without them on the same replicas (approximate:
+no token ids, so the events go unread). Before such a
+row replays anything, every instance must report each replica precise in its
+``kvgate_kv_events_precise`` gauge:
+
+    python -m bench.routing_e2e --precise --policies prefix_affinity --instances 4
+
 ``heavy_orgs`` is the generated suite's ``heavy4-closed8`` family (as many
 heavy organisations as replicas, 8 closed-loop clients, a few hundred
 requests), ``heavy_orgs_burst`` its ``heavy4-burst16`` (16 clients in bursts
@@ -53,7 +64,9 @@ from typing import Any
 import httpx
 import orjson
 
-from bench.chaos_fleet import RedisProc, _kill, free_port, kvgate_config, start_kvgate, start_sims
+from bench.chaos_fleet import (
+    RedisProc, _kill, free_port, kvgate_config, metric_sum, parse_metrics, start_kvgate, start_sims)
+from bench.precise_fleet import PRECISE, precise_routing, replica_entries, start_event_sims, tokenizer_dir
 from bench.routing_replay import Usage, replay, summarise
 from bench.smg import SMG_POLICIES, smg_binary, start_smg
 from bench.vllm_router import VLLM_ROUTER_POLICIES, start_vllm_router, vllm_router_binary
@@ -160,11 +173,29 @@ def _start_gateways(policy: str, sims: list[Any], workdir: Path, args: argparse.
     if policy == SHARED:
         routing = {"policy": "prefix_affinity", "share_index": True}
         extra = {"redis_url": redis_url}
+    if policy == PRECISE:
+        routing = precise_routing(args.tokenizer)
+        extra = {"replicas": replica_entries(sims)}
     for i in range(args.instances):
         cfg = kvgate_config(free_port(), sims, routing=routing,
                             pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0}, **extra)
         (workdir / str(i)).mkdir(exist_ok=True)
         gws.append(start_kvgate(workdir / str(i), cfg))
+    if policy == PRECISE:
+        for gw in gws:
+            _wait_precise(gw.url, len(sims))
+
+
+def _wait_precise(url: str, replicas: int, timeout: float = 60.0) -> None:
+    """Until this instance routes every replica on its events (subscribed and synced through replay)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = parse_metrics(httpx.get(url + "/metrics", timeout=5).text)
+        if metric_sum(metrics, "kvgate_kv_events_precise") >= replicas:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: not every replica precise after {timeout} s")
+        time.sleep(0.1)
 
 
 async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: Path,
@@ -218,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per replica (16-token blocks)")
     p.add_argument("--instances", type=int, default=1, help="kvgate processes (requests spread at random)")
     p.add_argument("--redis-url", default=None, help=f"Redis for {SHARED} (default: a private redis-server)")
+    p.add_argument("--precise", action="store_true",
+                   help=f"replicas with a real tokenizer and KV events, and a '{PRECISE}' row beside 'prefix_affinity'")
     args = p.parse_args(argv)
+    if args.precise:
+        args.policies += [x for x in ("prefix_affinity", PRECISE) if x not in args.policies]
+    elif PRECISE in args.policies:
+        p.error(f"the '{PRECISE}' row needs --precise (replicas that publish KV events)")
     for peer, (_, binary) in PEERS.items():
         if binary() is None and any(x.startswith(peer + ":") for x in args.policies):
             print(f"{peer} not installed (pip install {peer}, the bench extra): its rows are left out", flush=True)
@@ -229,9 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     if SHARED in args.policies and args.redis_url is None:
         redis = RedisProc().start()
         args.redis_url = redis.url
-    sims = start_sims([f"r{i + 1}" for i in range(args.replicas)], {
-        "kv_blocks": args.kv_blocks, "prefill_s_per_token": 0.00005,
-        "decode_base_s": 0.005, "max_num_seqs": 16})
+    flags = {"kv_blocks": args.kv_blocks, "prefill_s_per_token": 0.00005, "decode_base_s": 0.005,
+             "max_num_seqs": 16}
+    names = [f"r{i + 1}" for i in range(args.replicas)]
+    args.tokenizer = tokenizer_dir() if args.precise else None
+    sims = start_event_sims(names, flags, args.tokenizer) if args.precise else start_sims(names, flags)
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-route-e2e-"))
     out: list[dict[str, Any]] = []
     try:

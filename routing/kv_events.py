@@ -42,6 +42,8 @@ class _Pending:
     name: str
     deadline: float
     open: bool = True
+    # Served, its events not in yet (``KVEvents.done``).
+    served: bool = False
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -118,8 +120,11 @@ class KVEvents:
             return {n: 0.0 for n in live}
         out = self.index.held(keys, live)
         self._expire()
-        for entry in self._pending.get(keys[0], ()):
-            if entry.open and entry.name in out:
+        now = self._clock()
+        for entry in list(self._pending.get(keys[0], ())):
+            if entry.served and (entry.deadline < now or self.index.has(entry.name, entry.keys[-1])):
+                self._close(entry)  # its events arrived (or never will): the index speaks for it
+            elif entry.open and entry.name in out:
                 depth = _common_prefix(keys, entry.keys)
                 if depth > out[entry.name]:
                     out[entry.name] = float(depth)
@@ -139,9 +144,24 @@ class KVEvents:
         self._queue.append(entry)
         return entry
 
-    def done(self, entry: Any) -> None:
-        """The request was served (or given up): its prefix is now the events' to report."""
-        if isinstance(entry, _Pending) and entry.open:
+    def done(self, entry: Any, *, served: bool = False) -> None:
+        """The request was served (or given up): its prefix is now the events' to report.
+
+        Served, it stays presumed on its replica until the events show its last block, for
+        up to ``stale_s``: a follow-up sent between the answer and late events (a busy
+        publisher thread, a congested link) must not find the context gone and move. When
+        the events are in already, as usual, nothing lingers.
+        """
+        if not (isinstance(entry, _Pending) and entry.open):
+            return
+        if served and not self.index.has(entry.name, entry.keys[-1]):
+            entry.deadline = min(entry.deadline, self._clock() + self.stale_s)
+            entry.served = True
+            return
+        self._close(entry)
+
+    def _close(self, entry: _Pending) -> None:
+        if entry.open:
             entry.open = False
             entries = self._pending.get(entry.keys[0])
             if entries is not None:
@@ -153,7 +173,7 @@ class KVEvents:
         now = self._clock()
         queue = self._queue
         while queue and (not queue[0].open or queue[0].deadline < now):
-            self.done(queue.popleft())
+            self._close(queue.popleft())
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -162,7 +182,10 @@ class KVEvents:
             s = stream.stats()
             replicas[name] = {"mode": "precise" if stream.live else "approximate", **s,
                               "index": self.index.stats(name)}
+        # "presumed": served requests whose events are not in yet, held on their replica (``done``).
+        presumed = sum(1 for e in self._queue if e.open and e.served)
         return {"block_size": self.block_size, "index_blocks": len(self.index), "pending": len(self._queue),
+                "presumed": presumed,
                 "replicas": replicas}
 
     def degraded(self) -> list[str]:

@@ -195,6 +195,11 @@ class KVEventIndex:
                     out[bits[b]] = self._weigh(depth, lower.get(b, 0))
         return out
 
+    def has(self, name: str, key: int) -> bool:
+        """Whether ``name`` holds the block ``key`` in any tier (a chain's last key: the whole chain)."""
+        st = self._replicas.get(name)
+        return st is not None and bool((self._gpu.get(key, 0) | self._low.get(key, 0)) >> st.bit & 1)
+
     def _weigh(self, blocks: int, lower: int) -> float:
         return blocks - lower * (1.0 - self.cpu_weight)
 

@@ -89,6 +89,51 @@ async def test_a_cut_stream_degrades_the_replica_and_replay_recovers_it(fleet: K
         r.stop()
 
 
+async def test_late_events_are_held_in_order_then_applied_with_no_gap(fleet: KVEvents) -> None:
+    r = Replica("r1").start()
+    try:
+        fleet.sync({"r1": r.endpoints})
+        await until(lambda: fleet.live("r1"))
+        await r.faults(kv_events_delay_s=3600.0)  # held until the delay is lowered
+        first, second = prompt(11, 3), prompt(12, 2)
+        await r.complete(first)
+        await r.complete(second)
+        publisher = r.replica.publisher
+        assert publisher is not None and publisher.pending >= 2  # handed over at step end, not sent
+        assert held(fleet, first, "r1") == 0 and held(fleet, second, "r1") == 0
+        await r.faults(kv_events_delay_s=0.0)  # the held batches go out at once, in order
+        await until(lambda: held(fleet, first, "r1") == 3 and held(fleet, second, "r1") == 2)
+        s = fleet.streams["r1"]
+        assert publisher.pending == 0 and s.gaps == 0 and s.resets == 0 and fleet.live("r1")
+    finally:
+        r.stop()
+
+
+async def test_a_served_request_stays_presumed_on_its_replica_until_its_late_events_arrive() -> None:
+    kv = KVEvents(BS, stale_s=30.0)  # staleness out of the way: the events are late, not lost
+    r = Replica("r1").start()
+    try:
+        kv.sync({"r1": r.endpoints})
+        await until(lambda: kv.live("r1"))
+        await r.faults(kv_events_delay_s=3600.0)
+        ids, failed = prompt(13, 4), prompt(14, 2)
+        keys, failed_keys = block_keys(ids, BS), block_keys(failed, BS)
+        entry, lost = kv.sent("r1", keys, new_blocks=True), kv.sent("r1", failed_keys, new_blocks=True)
+        await r.complete(ids)
+        kv.done(entry, served=True)  # answered; its events are held back
+        kv.done(lost)  # given up: nothing to presume
+        assert held(kv, ids, "r1") == 0  # the index has not heard of it
+        assert kv.held(keys, ["r1"]) == {"r1": 4.0} and kv.held(failed_keys, ["r1"]) == {"r1": 0.0}
+        assert kv.stats()["presumed"] == 1
+        await r.faults(kv_events_delay_s=0.0)
+        await until(lambda: held(kv, ids, "r1") == 4)
+        assert kv.held(keys, ["r1"]) == {"r1": 4.0}  # now from the index, and the presumption ends
+        assert kv.stats()["presumed"] == 0
+    finally:
+        r.stop()
+        await kv.aclose()
+
+
 async def test_a_restarted_replica_is_cleared_then_relearned(fleet: KVEvents) -> None:
     r = Replica("r1").start()
     try:

@@ -41,7 +41,8 @@ def test_faults_endpoint_replaces_validates_and_reports(client: httpx.Client) ->
     assert client.get("/sim/faults").json()["error_status"] == 503
     set_faults(client)  # an empty body clears every fault
     assert client.get("/sim/faults").json() == Faults().as_dict()
-    for bad in ({"error_rate": 2}, {"nope": 1}, {"garbage": "yes"}, {"die_after_tokens": -1}):
+    for bad in ({"error_rate": 2}, {"nope": 1}, {"garbage": "yes"}, {"die_after_tokens": -1},
+                {"kv_events_delay_s": -1}, {"kv_events_drop": 1}):
         r = client.post("/sim/faults", json=bad)
         assert r.status_code == 400 and "error" in r.json()
 

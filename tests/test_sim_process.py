@@ -18,13 +18,14 @@ def test_cli_flags_build_the_config() -> None:
     add_arguments(parser)
     flags = sim_flags(port=9100, kv_blocks=64, time_scale=0.01, model=["a", "b"], max_num_seqs=4,
                       error_rate=0.25, error_status=503, die_after_tokens=3, garbage=True,
-                      html_200=False, name="r1")
+                      html_200=False, name="r1", kv_events_drop=True, kv_events_delay_s=0.25)
     args = parser.parse_args(flags)
     config = config_from_args(args)
     assert (config.port, config.num_gpu_blocks, config.models, config.name) == (9100, 64, ("a", "b"), "r1")
     assert config.timing.time_scale == 0.01 and config.timing.max_num_seqs == 4
     assert config.faults.error_rate == 0.25 and config.faults.error_status == 503
     assert config.faults.die_after_tokens == 3 and config.faults.garbage and not config.faults.html_200
+    assert config.faults.kv_events_drop and config.faults.kv_events_delay_s == 0.25
     default = config_from_args(parser.parse_args([]))
     assert default.models == ("sim-model",) and default.faults.die_after_tokens is None
 

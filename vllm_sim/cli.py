@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--garbage", action="store_true")
     faults.add_argument("--html-200", action="store_true")
     faults.add_argument("--unhealthy", action="store_true")
+    faults.add_argument("--kv-events-drop", action="store_true",
+                        help="the PUB socket loses every KV event batch (the replay buffer keeps them)")
+    faults.add_argument("--kv-events-delay-s", type=float, default=f.kv_events_delay_s,
+                        help="send each KV event batch this long after its step ended (events arriving late)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -81,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         stall_mid_stream_s=args.stall_mid_stream_s,
         stall_after_tokens=args.stall_after_tokens, die_after_tokens=args.die_after_tokens,
         garbage=args.garbage, html_200=args.html_200, unhealthy=args.unhealthy,
+        kv_events_drop=args.kv_events_drop, kv_events_delay_s=args.kv_events_delay_s,
     )
     return SimConfig(
         host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]), tokenizer=args.tokenizer,

@@ -45,6 +45,8 @@ class Faults:
     unhealthy: bool = False
     # The KV event PUB socket loses every batch (the replay buffer still keeps them).
     kv_events_drop: bool = False
+    # Each KV event batch is sent this long after its step ended (in order): events arriving late.
+    kv_events_delay_s: float = 0.0
 
     @classmethod
     def from_json(cls, data: Any) -> Faults:
@@ -66,7 +68,7 @@ class Faults:
                 raise ValueError(f"{name} must be a number in [0, 1]")
         if not isinstance(self.error_status, int) or not 400 <= self.error_status <= 599:
             raise ValueError("error_status must be an integer in [400, 599]")
-        for name in ("stall_before_first_token_s", "stall_mid_stream_s"):
+        for name in ("stall_before_first_token_s", "stall_mid_stream_s", "kv_events_delay_s"):
             value = getattr(self, name)
             if not _is_number(value) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0")

@@ -23,12 +23,18 @@ other by sharing a mistake; the parity tests hold both to vLLM's own code.
 Sending and replay run on one thread, as in vLLM, so a slow subscriber never
 stalls the engine's event loop. The ``kv_events_drop`` fault (``drop``) makes
 the PUB socket lose batches while the replay buffer keeps them: the gap a
-consumer must fill through replay.
+consumer must fill through replay. The ``kv_events_delay_s`` fault (``delay``)
+holds each batch until that long after its step ended, in order, as a
+congested link or a publisher thread starved of CPU delivers them late: the
+delay in force is read while a batch waits, so lowering it releases what is
+held at once. A held batch has no sequence number yet and is not in the
+replay buffer (vLLM numbers a batch when its thread sends it).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -91,11 +97,13 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, block_size: int = 16,
                  topic: str = "kv-events", buffer_steps: int = 10_000, int_hashes: bool = True,
-                 legacy: bool = False, drop: Callable[[], bool] = lambda: False) -> None:
+                 legacy: bool = False, drop: Callable[[], bool] = lambda: False,
+                 delay: Callable[[], float] = lambda: 0.0) -> None:
         self.block_size = block_size
         self.int_hashes = int_hashes
         self.legacy = legacy
         self._drop = drop
+        self._delay = delay
         self._topic = topic.encode()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -108,18 +116,30 @@ class KVEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(replay_endpoint)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        # (monotonic time the step ended, payload); None stops the thread.
+        self._queue: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
         self._seq = 0
         self.published = 0
         self.dropped = 0
+        # Batches handed over by the engine; each counter has one writer thread.
+        self._handed = 0
+        self._closing = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name="vllm_sim-kv-events")
         self._thread.start()
 
     def publish(self, events: list[PoolEvent]) -> None:
         """Queue one batch (the caller's step); encoded here, sent by the thread."""
-        self._queue.put(encode_batch(events, self.block_size, int_hashes=self.int_hashes, legacy=self.legacy))
+        payload = encode_batch(events, self.block_size, int_hashes=self.int_hashes, legacy=self.legacy)
+        self._handed += 1
+        self._queue.put((time.monotonic(), payload))
+
+    @property
+    def pending(self) -> int:
+        """Batches handed over and not yet numbered and sent (queued, or held by the delay fault)."""
+        return self._handed - self._seq
 
     def close(self) -> None:
+        self._closing = True
         self._queue.put(None)
         self._thread.join(2.0)
         self._pub.close(0)
@@ -129,15 +149,15 @@ class KVEventPublisher:
 
     def _serve(self) -> None:
         while True:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._answer_replay()
+            self._answer_replays(0)
             try:
-                payload = self._queue.get(timeout=0.01)
+                item = self._queue.get(timeout=0.01)
             except queue.Empty:
                 continue
-            if payload is None:
+            if item is None:
                 return
+            ended, payload = item
+            self._hold(ended)
             seq = self._seq
             self._seq += 1
             self._buffer.append((seq, payload))
@@ -149,6 +169,22 @@ class KVEventPublisher:
                 self.published += 1
             except zmq.ZMQError:
                 log.exception("KV event publish failed")
+
+    def _hold(self, ended: float) -> None:
+        """Wait out the delay fault for a batch whose step ended at ``ended``, answering replays meanwhile."""
+        while not self._closing and (wait := ended + self._delay() - time.monotonic()) > 0:
+            # Short waits: a lowered delay (or close) takes effect within 50 ms.
+            self._answer_replays(min(wait, 0.05))
+
+    def _answer_replays(self, wait_s: float) -> None:
+        if self._replay is None:
+            if wait_s > 0:
+                time.sleep(wait_s)
+            return
+        timeout_ms = math.ceil(wait_s * 1000)
+        while self._replay.poll(timeout_ms):
+            self._answer_replay()
+            timeout_ms = 0
 
     def _answer_replay(self) -> None:
         assert self._replay is not None

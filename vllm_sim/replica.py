@@ -35,7 +35,7 @@ class Replica:
                 config.kv_events, config.kv_events_replay, block_size=config.block_size,
                 topic=config.kv_events_topic, buffer_steps=config.kv_events_buffer,
                 int_hashes=config.kv_events_int_hashes, legacy=config.kv_events_legacy,
-                drop=lambda: self.faults.kv_events_drop)
+                drop=lambda: self.faults.kv_events_drop, delay=lambda: self.faults.kv_events_delay_s)
             self.engine.on_kv_events = self.publisher.publish
         # A copy: run-time changes (POST /sim/faults) must not write back into the caller's config.
         self.faults: Faults = replace(config.faults)
@@ -102,6 +102,7 @@ class Replica:
             "name": self.config.name,
             "kv_events_published": self.publisher.published if self.publisher else 0,
             "kv_events_dropped": self.publisher.dropped if self.publisher else 0,
+            "kv_events_pending": self.publisher.pending if self.publisher else 0,
         }
 
 

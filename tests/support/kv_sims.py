@@ -30,6 +30,12 @@ class EventSim:
         assert self.server is not None
         return self.server.url
 
+    @property
+    def replica(self) -> Any:
+        """The running simulator's ``vllm_sim.replica.Replica`` (its engine, pool and publisher)."""
+        assert self.server is not None
+        return self.server.config.app.state.replica
+
     def replica_settings(self) -> dict[str, Any]:
         """This replica's entry in kvgate's ``replicas``."""
         pub, replay = self.endpoints
