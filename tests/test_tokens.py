@@ -224,7 +224,8 @@ def test_a_dead_render_server_never_fails_a_request() -> None:
         assert stack.admin is not None
         routing = httpx.get(stack.admin.url + "/admin/routing", timeout=5,
                             headers={"authorization": "Bearer admin-secret"}).json()
-        assert routing["tokenization"]["models"][MODEL] == {"mode": "render", "exact": 0, "fallback": 3}
+        assert routing["tokenization"]["models"][MODEL] == {
+            "mode": "render", "exact": 0, "fallback": 3, "endpoints": {"chat": {"exact": 0, "fallback": 3}}}
         assert routing["tokenization"]["render"]["requests"] == 1
     finally:
         stack.close()
