@@ -392,12 +392,12 @@ def _input_item(item: Any, out: list[dict[str, Any]]) -> None:
     if not isinstance(content, (str, list)):
         raise Unrenderable("message content")
     if role == "assistant":
-        text = _assistant_text(item)
-        if text is not None:
+        said = _assistant_text(item)
+        if said is not None:
             if prev is not None and prev.get("content") is None:
-                prev["content"] = text
+                prev["content"] = said
             else:
-                out.append({"role": "assistant", "content": text})
+                out.append({"role": "assistant", "content": said})
             return
     # Validated as an input-message TypedDict: only role and content reach the template.
     out.append({"role": role, "content": content})

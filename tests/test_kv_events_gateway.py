@@ -223,8 +223,8 @@ def test_messages_and_responses_requests_follow_the_replica_holding_their_tokens
                 body = _protocol_body(endpoint, n)
                 ids = source.ids(endpoint, body)
                 assert ids is not None and len(ids) >= 8 * BS
-                anyio.run(lambda: holder.complete(ids, salt=SALT))  # the replica prefills exactly those ids
-                wait(lambda: g.held(ids, holder.name) == len(ids) // BS)
+                anyio.run(holder.complete, ids, SALT)  # the replica prefills exactly those ids
+                wait(lambda ids=ids, holder=holder: g.held(ids, holder.name) == len(ids) // BS)
                 r = httpx.post(g.server.url + path, json=body, timeout=10)
                 assert r.status_code == 200, r.text
                 assert r.headers["x-kvgate-replica"] == holder.name, f"{endpoint} request {n}"

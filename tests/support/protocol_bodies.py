@@ -65,7 +65,8 @@ MESSAGES: dict[str, dict[str, Any]] = {
                                      "messages": [{"role": "user", "content": "quick"}]},
     "redacted_and_empty_blocks": {**M, "messages": [
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "a"}]},
+        {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "opaque"},
+                                          {"type": "text", "text": "a"}]},
         {"role": "user", "content": [{"type": "text", "text": ""}]},
         {"role": "user", "content": "z"}]},
     "assistant_tool_result": {**M, "messages": [
