@@ -84,10 +84,11 @@ def as_endpoint(endpoint: str, chat: dict[str, Any]) -> dict[str, Any]:
 
 
 async def time_source(prompt_ids: Callable[[str, dict[str, Any]], Any], bodies: list[dict[str, Any]],
-                      model: str | None = None, endpoint: str = "chat") -> list[float]:
+                      model: str | None = None, endpoint: str = "chat", raw: bool = False) -> list[float]:
+    """Seconds per ``prompt_ids`` call; ``raw``: the bodies are already the endpoint's."""
     out = []
     for body in bodies:
-        payload = as_endpoint(endpoint, body)
+        payload = body if raw else as_endpoint(endpoint, body)
         if model:
             payload = {"model": model, **payload}
         t0 = time.perf_counter()
@@ -96,6 +97,56 @@ async def time_source(prompt_ids: Callable[[str, dict[str, Any]], Any], bodies: 
         if ids is None:
             raise RuntimeError("no ids: the source failed")
     return out
+
+
+def agent_bodies(turns: int = 20, tools: int = 8, tag: str = "") -> dict[str, dict[str, Any]]:
+    """An agent's request on each protocol: ``tools`` tools, ``turns`` rounds of a user turn, a tool
+    call and its result (the shape the Messages and Responses conversions do the most work on)."""
+    schema = {"type": "object", "properties": {"path": {"type": "string"}, "n": {"type": "integer"}}}
+    names = [f"tool_{i}" for i in range(tools)]
+    system = tag + system_prompt(200)
+    msgs: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
+    for t in range(turns):
+        name, call = names[t % tools], f"call_{t}"
+        msgs += [{"role": "user", "content": f"Step {t}: look at file {t}."},
+                 {"role": "assistant", "content": [{"type": "text", "text": "Looking."},
+                                                   {"type": "tool_use", "id": call, "name": name,
+                                                    "input": {"path": f"src/{t}.py", "n": t}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call,
+                                               "content": f"contents of {t}"}]}]
+        items += [{"role": "user", "content": f"Step {t}: look at file {t}."},
+                  {"type": "function_call", "call_id": call, "name": name,
+                   "arguments": f'{{"path": "src/{t}.py", "n": {t}}}'},
+                  {"type": "function_call_output", "call_id": call, "output": f"contents of {t}"}]
+    chat: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for t in range(turns):
+        name, call = names[t % tools], f"call_{t}"
+        chat += [{"role": "user", "content": f"Step {t}: look at file {t}."},
+                 {"role": "assistant", "content": "Looking.", "tool_calls": [
+                     {"id": call, "type": "function",
+                      "function": {"name": name, "arguments": f'{{"path": "src/{t}.py", "n": {t}}}'}}]},
+                 {"role": "tool", "tool_call_id": call, "content": f"contents of {t}"}]
+    return {
+        "chat": {"tools": [{"type": "function", "function": {"name": n, "description": f"Tool {n}",
+                                                             "parameters": schema}} for n in names],
+                 "messages": chat},
+        "messages": {"max_tokens": 64, "system": system, "messages": msgs,
+                     "tools": [{"name": n, "description": f"Tool {n}", "input_schema": schema} for n in names]},
+        "responses": {"instructions": system, "input": items,
+                      "tools": [{"type": "function", "name": n, "description": f"Tool {n}", "parameters": schema}
+                                for n in names]},
+    }
+
+
+def time_conversion(source: HFTokenSource, endpoint: str, body: dict[str, Any], n: int = 2000) -> float:
+    """Median µs of turning ``body`` into the chat form vLLM renders (routing.vllm_chat; chat: the identity)."""
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        source._as_chat(endpoint, body)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
 
 
 def time_parts(source: HFTokenSource, bodies: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -126,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200, help="per size (16K rows take a quarter)")
     parser.add_argument("--no-render", action="store_true", help="skip the render-server rows")
     parser.add_argument("--endpoints", nargs="+", default=["chat"], choices=["chat", "messages", "responses"])
+    parser.add_argument("--agent-rounds", type=int, default=40, help="rounds in the growing agent conversation")
     args = parser.parse_args(argv)
 
     model_dir = build_tokenizer_dir(Path(tempfile.mkdtemp(prefix="kvgate-bench-tok-")) / "model")
@@ -152,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
             parts_rows.append((actual[size], {k: statistics.median(v) * 1000 for k, v in parts.items()}))
 
     asyncio.run(in_process())
+    agent_rows = []
+    for endpoint in args.endpoints:
+        # One conversation growing a round per request, as an agent sends it; its own system
+        # prompt per endpoint, so no endpoint finds another's segments.
+        growing = [agent_bodies(k, tag=f"{endpoint}: ")[endpoint] for k in range(1, args.agent_rounds + 1)]
+        last = growing[-1]
+        times = asyncio.run(time_source(source.prompt_ids, growing, endpoint=endpoint, raw=True))
+        agent_rows.append((endpoint, len(source.ids(endpoint, last) or []), time_conversion(source, endpoint, last),
+                           percentile(times[1:], 50) * 1000, percentile(times[1:], 99) * 1000))
 
     if not args.no_render:
         from bench.vllm_render import render_server, vllm_python
@@ -178,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'source':<20} {'endpoint':<10} {'tokens':>7} {'requests':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for name, endpoint, tokens, n, p50, p99 in rows:
         print(f"{name:<20} {endpoint:<10} {tokens:>7} {n:>9} {p50:>8.3f} {p99:>8.3f}")
+    print(f"\nAn agent's conversation in process: request k has k rounds (user turn, tool call, tool result; "
+          f"8 tools), k = 1..{args.agent_rounds}; figures over k >= 2; tokens and conversion at the last\n")
+    print(f"{'endpoint':<10} {'tokens':>7} {'to chat form us':>16} {'ids p50 ms':>11} {'ids p99 ms':>11}")
+    for endpoint, tokens, convert_us, p50, p99 in agent_rows:
+        print(f"{endpoint:<10} {tokens:>7} {convert_us:>16.1f} {p50:>11.3f} {p99:>11.3f}")
     print("\nWhere the uncached in-process time goes (medians, ms): what a cache of the system turn's ids saves\n")
     print(f"{'tokens':>7} {'render':>8} {'tok all':>8} {'tok after system':>17} {'most a cache saves':>19}")
     for tokens, p in parts_rows:

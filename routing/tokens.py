@@ -326,19 +326,34 @@ class HFTokenSource:
         items: list[Any] = []
         uncached = 0
         pending = start = 0  # text[pending:start] is short segments not yet handed on
+
+        def segment(begin: int, end: int) -> None:
+            nonlocal uncached
+            assert self.cache is not None
+            piece = text[begin:end]
+            key = self.cache.key(piece)
+            cached = self.cache.get(key)
+            if cached is None:
+                items.append([piece, key])
+                uncached += len(piece)
+            else:
+                items.append(cached)
+
         for end in [*self._cuts.ends(text), len(text)]:
             if end - start >= MIN_SEGMENT_CHARS:
+                # A long segment (a system prompt) is looked up alone, so the short turns
+                # before it (which vary) do not change its key.
                 if pending < start:
                     items.append([text[pending:start], None])
                     uncached += start - pending
-                segment = text[start:end]
-                key = self.cache.key(segment)
-                cached = self.cache.get(key)
-                if cached is None:
-                    items.append([segment, key])
-                    uncached += len(segment)
-                else:
-                    items.append(cached)
+                segment(start, end)
+                pending = end
+            elif end - pending >= MIN_SEGMENT_CHARS:
+                # Short turns are kept in runs of at least MIN_SEGMENT_CHARS, cut where the
+                # run first reaches it: a function of the text before the cut only, so the
+                # next request of a conversation (the same turns, then new ones) finds every
+                # run again and tokenizes only its new turns (an agent's many short turns).
+                segment(pending, end)
                 pending = end
             start = end
         if pending < len(text):

@@ -24,7 +24,6 @@ Pure functions over JSON: the input is never mutated.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 __all__ = ["Unrenderable", "chat_tools", "messages_as_chat", "responses_as_chat", "needs_system_first",
@@ -115,12 +114,14 @@ _BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "tool_refe
 
 
 def _blocks(content: Any) -> list[dict[str, Any]]:
-    if not isinstance(content, list) or not all(isinstance(b, dict) and b.get("type") in _BLOCK_TYPES
-                                                for b in content):
-        raise Unrenderable("content blocks")  # AnthropicContentBlock would not validate: a 400
-    if any(b["type"] in ("tool_addition", "tool_removal") for b in content):
-        # vLLM resolves these into the tool list (_resolve_tools); not reproduced.
-        raise Unrenderable("tool changes")
+    if not isinstance(content, list):
+        raise Unrenderable("content blocks")
+    for b in content:
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind not in _BLOCK_TYPES:
+            raise Unrenderable("content blocks")  # AnthropicContentBlock would not validate: a 400
+        if kind == "tool_addition" or kind == "tool_removal":
+            raise Unrenderable("tool changes")  # vLLM folds them into the tool list (_resolve_tools)
     return content
 
 
@@ -179,8 +180,10 @@ def _anthropic_message(msg: dict[str, Any], out: list[dict[str, Any]]) -> None:
                 raise Unrenderable("tool_use input")  # AnthropicContentBlock would not validate
             if not block.get("id"):
                 raise Unrenderable("tool_use without id")  # vLLM names it call_<unix time>
+            # vLLM writes json.dumps(input) and parses it back for the template: the same
+            # object, so it is passed as is (the chat path takes objects).
             calls.append({"id": block["id"], "type": "function", "function": {
-                "name": block.get("name") or "", "arguments": json.dumps(block.get("input") or {})}})
+                "name": block.get("name") or "", "arguments": block.get("input") or {}}})
         elif kind == "tool_result":
             if role == "user":
                 out.append(_user_tool_result(block))  # before the turn it came in, as vLLM orders it
@@ -314,7 +317,8 @@ def _call(item: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str):
             raise Unrenderable("custom_tool_call")
         name = item["name"]
-        arguments = json.dumps({_CUSTOM_INPUT_KEY: item.get("input") or ""}, ensure_ascii=False)
+        # vLLM's shim writes {"input": ...} as JSON, which the template gets parsed back.
+        arguments: Any = {_CUSTOM_INPUT_KEY: item.get("input") or ""}
     else:
         if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
             raise Unrenderable("function_call")  # ResponseFunctionToolCall would not validate

@@ -371,6 +371,25 @@ def test_precise_demo_tokenizes_replicas_and_gateway_alike(tmp_path: Path) -> No
             proc.kill()
 
 
+def test_a_growing_conversation_of_short_turns_tokenizes_only_its_new_turns(source: HFTokenSource) -> None:
+    """An agent's turns are each shorter than a cached segment; kept in runs, the next request of
+    the conversation finds all earlier runs. The ids stay those of one whole tokenization."""
+    from routing.token_cache import MIN_SEGMENT_CHARS
+
+    turns: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
+    new_chars = []
+    for k in range(30):
+        turns += [{"role": "user", "content": f"Step {k}: read file src/m{k}.py and say what it does."},
+                  {"role": "assistant", "content": f"File {k} defines helper number {k}."}]
+        body = {"messages": turns}
+        new_chars.append(source._chat_plan(body)[1])  # characters still to tokenize, before this request
+        assert ids(source, "chat", body) == source._chat_ids(body)
+    whole = len(source.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+    assert whole > 8 * MIN_SEGMENT_CHARS
+    # At most the run still open (under MIN_SEGMENT_CHARS) plus this request's turns and the generation prompt.
+    assert max(new_chars[1:]) < MIN_SEGMENT_CHARS + 200, new_chars
+
+
 def test_the_segment_cache_gives_the_ids_of_a_whole_tokenization(source: HFTokenSource) -> None:
     """A second request with the same long system prompt reuses its ids, and the ids are unchanged."""
     from bench.overhead import system_prompt
