@@ -236,6 +236,21 @@ def test_long_messages_and_responses_from_the_segment_cache_equal_vllm_render(
     assert source.offloaded > offloaded, "the first long prompt is tokenized off the event loop"
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "messages", "responses"])
+def test_a_growing_agent_conversation_equals_vllm_render(server: RenderServer, source: HFTokenSource,
+                                                         endpoint: str) -> None:
+    """An agent's conversation growing a round (user turn, tool call, tool result) per request:
+    after the first, its ids come mostly from cached runs of short turns, and stay vLLM's."""
+    from bench.tokenization import agent_bodies
+
+    assert source.cache is not None
+    hits = source.cache.hits
+    for rounds in range(1, 13):
+        body = agent_bodies(rounds, tools=3, tag=f"parity {endpoint}: ")[endpoint]
+        assert ours(source, endpoint, body) == server.render(endpoint, body), f"{rounds} rounds"
+    assert source.cache.hits >= hits + 11
+
+
 def test_the_render_client_asks_the_messages_and_responses_routes(server: RenderServer) -> None:
     async def run() -> tuple[list[int] | None, ...]:
         client = RenderTokenSource(server.url, timeout_s=30)
