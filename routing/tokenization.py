@@ -5,7 +5,9 @@ with a tokenizer directory is tokenized in process; any other model is asked
 of the render server when one is configured; the rest route approximately.
 A directory that fails to load is logged and reported (its model routes
 approximately) rather than stopping the gateway: routing quality degrades,
-serving does not.
+serving does not. Only requests of ``TOKEN_ENDPOINTS`` (chat, completions,
+Messages, Responses) are tokenized and counted; the counts are kept per model
+and per endpoint for /admin/routing.
 """
 
 from __future__ import annotations
