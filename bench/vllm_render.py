@@ -23,6 +23,8 @@ from typing import Any, Iterator
 
 import httpx
 
+from routing.render_tokens import RENDER_PATHS
+
 __all__ = ["DEFAULT_VENV", "RenderServer", "render_server", "vllm_env", "vllm_python"]
 
 DEFAULT_VENV = Path("/work/vllm-venv")
@@ -63,9 +65,9 @@ class RenderServer:
         self.log = log
 
     def render(self, endpoint: str, body: dict[str, Any]) -> list[int]:
-        """The token ids vLLM would prefill for ``body`` (endpoint "chat" or "completions")."""
-        path = "/v1/chat/completions/render" if endpoint == "chat" else "/v1/completions/render"
-        r = httpx.post(self.url + path, json={"model": self.model, **body}, timeout=60)
+        """The token ids vLLM would prefill for ``body`` (endpoint "chat", "completions", "messages"
+        or "responses")."""
+        r = httpx.post(self.url + RENDER_PATHS[endpoint], json={"model": self.model, **body}, timeout=60)
         r.raise_for_status()
         data = r.json()
         return (data[0] if isinstance(data, list) else data)["token_ids"]  # type: ignore[no-any-return]

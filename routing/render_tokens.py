@@ -3,7 +3,7 @@
 For models whose preprocessing kvgate does not reproduce in process (a custom
 tokenizer class, a multimodal processor, a Mistral tokenizer), vLLM's own
 GPU-less rendering server answers with the exact ids it would prefill. It
-costs a loopback round trip per request (bench/tokenize.py) and a process of
+costs a loopback round trip per request (bench/tokenization.py) and a process of
 about 1 GB, so it is the second choice after ``HFTokenSource``.
 
 Any failure (refused, slow, a 4xx for a request vLLM would reject, garbage)
@@ -58,6 +58,10 @@ class RenderTokenSource:
     async def prompt_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         path = RENDER_PATHS.get(endpoint)
         if path is None or not self.healthy:
+            return None
+        if endpoint == "responses" and body.get("previous_response_id") is not None:
+            # The earlier turns live on the replica that stored them; the render server
+            # is stateless and refuses these (400), so asking would only cost a round trip.
             return None
         self.requests += 1
         try:

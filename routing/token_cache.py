@@ -10,6 +10,12 @@ after it: they can be kept and reused exactly. Which tokens are safe cut
 points, and whether a tokenizer has that property at all, is decided once per
 tokenizer (``cut_points``); a tokenizer that fails the check gets no cache.
 
+Short segments (one-line turns) are kept in runs: consecutive ones from the
+last cut up to the first cut where the run reaches ``MIN_SEGMENT_CHARS``. Where
+those runs end depends only on the text before, so a conversation's next
+request finds all its earlier runs and tokenizes only the new turns; an
+agent's prompt of many short tool turns is mostly such runs.
+
 Keys are xxh3-128 digests of the segment text (a collision is beyond any
 practical concern and costs a wrong routing hint at worst, never a wrong
 answer); values are tuples of ids: about 36 bytes a token (a pointer and an
@@ -33,9 +39,9 @@ __all__ = ["CutPoints", "SegmentCache", "cut_points", "MIN_SEGMENT_CHARS", "CAPA
 log = logging.getLogger("kvgate.routing")
 
 # Segments shorter than this are tokenized with their neighbours in one call
-# rather than looked up: below a few hundred characters a tokenizer call costs
-# about what a lookup and its bookkeeping do, and one-off user turns would only
-# churn the cache.
+# rather than looked up alone: below a few hundred characters a tokenizer call
+# costs about what a lookup and its bookkeeping do. Runs of them this long are
+# looked up (see the module docstring).
 MIN_SEGMENT_CHARS = 512
 # About 36 MiB: some 250 distinct 4K-token system prompts, more than a fleet
 # serves at once in any workload we know of.

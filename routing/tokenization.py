@@ -5,7 +5,9 @@ with a tokenizer directory is tokenized in process; any other model is asked
 of the render server when one is configured; the rest route approximately.
 A directory that fails to load is logged and reported (its model routes
 approximately) rather than stopping the gateway: routing quality degrades,
-serving does not.
+serving does not. Only requests of ``TOKEN_ENDPOINTS`` (chat, completions,
+Messages, Responses) are tokenized and counted; the counts are kept per model
+and per endpoint for /admin/routing.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Literal
 
 from .render_tokens import RenderTokenSource
 from .settings import RoutingSettings
-from .tokens import HFTokenSource, TokenSource
+from .tokens import TOKEN_ENDPOINTS, HFTokenSource, TokenSource
 
 __all__ = ["Tokenization", "Mode"]
 
@@ -35,6 +37,7 @@ class Tokenization:
         self.loaded = not settings.tokenizers
         self.exact: dict[str, int] = {}
         self.fallback: dict[str, int] = {}
+        self.by_endpoint: dict[str, dict[str, dict[str, int]]] = {}  # model -> endpoint -> exact/fallback
 
     def load(self) -> "Tokenization":
         """Load the tokenizer directories (seconds: transformers imports torch); blocking, run it in a thread."""
@@ -62,15 +65,18 @@ class Tokenization:
     async def token_ids(self, model: str, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """vLLM's prompt ids for this request, or None (route approximately). Never raises."""
         source: TokenSource | None = self.sources.get(model) or self.render
-        if source is None:
-            return None
+        if source is None or endpoint not in TOKEN_ENDPOINTS:
+            return None  # count_tokens, embeddings: nothing to key on, and nothing counted
         try:
             ids = await source.prompt_ids(endpoint, body)
         except Exception:  # a source is built not to raise; this keeps a bug from failing a request
             log.exception("token source failed; routing approximately")
             ids = None
+        outcome = "exact" if ids is not None else "fallback"
         counts = self.exact if ids is not None else self.fallback
         counts[model] = counts.get(model, 0) + 1
+        row = self.by_endpoint.setdefault(model, {}).setdefault(endpoint, {"exact": 0, "fallback": 0})
+        row[outcome] += 1
         return ids
 
     def stats(self, models: list[str]) -> dict[str, Any]:
@@ -86,10 +92,13 @@ class Tokenization:
                 row["offloaded"] = source.offloaded
                 if source.cache is not None:
                     row["segment_cache"] = source.cache.stats()
+            if model in self.by_endpoint:
+                row["endpoints"] = {e: dict(c) for e, c in sorted(self.by_endpoint[model].items())}
             if model in self.errors:
                 row["error"] = self.errors[model]
             out[model] = row
-        result: dict[str, Any] = {"models": out}
+        # Which endpoints' requests carry token ids at all (in-process and render alike).
+        result: dict[str, Any] = {"endpoints": sorted(TOKEN_ENDPOINTS), "models": out}
         if self.render is not None:
             result["render"] = self.render.stats()
         return result

@@ -8,7 +8,9 @@ A ``TokenSource`` answers ``prompt_ids(endpoint, body)`` for one served model:
   classes): text parts of a message joined with newlines, tool-call arguments
   given to the template as objects, the template rendered to text and then
   tokenized with ``add_special_tokens`` False for chat and True for
-  completions, ``truncate_prompt_tokens`` keeping the tail. The parity tests
+  completions, ``truncate_prompt_tokens`` keeping the tail. Messages and
+  Responses bodies first become the chat body vLLM makes of them
+  (``routing.vllm_chat``), then take the chat path. The parity tests
   compare it with vLLM's render server (tests/test_tokens_parity.py).
 * ``RenderTokenSource(url)`` (``routing.render_tokens``): asks a vLLM render
   server, for models whose preprocessing kvgate does not reproduce.
@@ -29,8 +31,10 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
 from .token_cache import MIN_SEGMENT_CHARS, SegmentCache, cut_points
+from .vllm_chat import DISABLED_THINKING_PROBE, EFFORTS, Unrenderable, chat_tools, messages_as_chat, \
+    needs_system_first, responses_as_chat
 
-__all__ = ["TokenSource", "HFTokenSource", "INLINE_MAX_CHARS"]
+__all__ = ["TokenSource", "HFTokenSource", "INLINE_MAX_CHARS", "TOKEN_ENDPOINTS"]
 
 log = logging.getLogger("kvgate.routing")
 
@@ -60,8 +64,11 @@ _BACKEND_PROBES = ("Hello, World! café 日本 🙂", "  leading and trailing  "
                    "line\n\nbreaks\ttabs")
 
 
-class _Unrenderable(Exception):
-    """The request holds something this source cannot turn into vLLM's exact ids."""
+# The endpoints whose requests carry token ids: each prefills a prompt vLLM renders
+# through the chat template (Messages and Responses after vLLM's own conversion to
+# chat, routing.vllm_chat) or tokenizes as text. count_tokens prefills nothing, and
+# embeddings and the utility routes are routed by load, so ids would buy them nothing.
+TOKEN_ENDPOINTS = frozenset({"chat", "completions", "messages", "responses"})
 
 
 _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "thinking": "thinking",
@@ -76,7 +83,7 @@ def _flatten_content(content: Any, role: str) -> str:
         return ""
     parts = [content] if isinstance(content, str) else content
     if not isinstance(parts, list):
-        raise _Unrenderable("content")
+        raise Unrenderable("content")
     texts = []
     for part in parts:
         if isinstance(part, str):
@@ -86,10 +93,10 @@ def _flatten_content(content: Any, role: str) -> str:
             if text is None:
                 continue  # vLLM skips a text part without text
             if not isinstance(text, str):
-                raise _Unrenderable("text part")
+                raise Unrenderable("text part")
         else:
             # Images, audio, files: the replica's encoder output is not text we can tokenize.
-            raise _Unrenderable("non-text content part")
+            raise Unrenderable("non-text content part")
         if role == "system" and text.startswith(_BILLING_HEADER):
             text = text.partition("\n")[2]
             if not text:
@@ -119,11 +126,11 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
     client sends changes nothing here either.
     """
     if not isinstance(messages, list) or not messages:
-        raise _Unrenderable("messages")
+        raise Unrenderable("messages")
     out = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _Unrenderable("message")
+            raise Unrenderable("message")
         role = message["role"]
         m: dict[str, Any] = {"role": role, "content": _flatten_content(message.get("content"), role)}
         if role == "assistant":
@@ -133,7 +140,7 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
                 for call in calls:
                     if not isinstance(call, dict) or call.get("type", "function") != "function" \
                             or not isinstance(call.get("function"), dict):
-                        raise _Unrenderable("tool call")  # vLLM answers 400
+                        raise Unrenderable("tool call")  # vLLM answers 400
                     fixed.append({**call, "function": {**call["function"],
                                                        "arguments": _arguments(call["function"].get("arguments"))}})
                 m["tool_calls"] = fixed
@@ -171,7 +178,7 @@ def _keep_tail(ids: list[int], body: dict[str, Any]) -> list[int]:
     if k is None:
         return ids
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        raise _Unrenderable("truncate_prompt_tokens")  # -1 means the model's length: unknown here
+        raise Unrenderable("truncate_prompt_tokens")  # -1 means the model's length: unknown here
     if k >= len(ids):
         return ids
     return ids[:k] if body.get("truncation_side") == "right" else ids[-k:]
@@ -214,13 +221,43 @@ class HFTokenSource:
         # of long segments kept (routing.token_cache), when this tokenizer allows it.
         self._cuts = cut_points(self.tokenizer, self._encode)
         self.cache: SegmentCache | None = SegmentCache() if self._cuts is not None else None
+        # The ids the tokenizer puts around a text when asked for special tokens (BOS, ...),
+        # for requests tokenized with them through the segment cache; None if it does more.
+        self._wrap = _special_wrap(self.tokenizer, self._encode)
+        # What vLLM decides once per model for /v1/messages, decided here the same way.
+        templates = self.chat_template.values() if isinstance(self.chat_template, dict) else [self.chat_template]
+        self.merge_inline_system = any(needs_system_first(t) for t in templates)
+        self.disabled_thinking_effort = self._disabled_thinking_effort()
+
+    def _disabled_thinking_effort(self) -> str:
+        """vLLM's DisabledThinkingEffortResolver: "none" unless the template rejects or ignores it."""
+        if self.chat_template is None:
+            return "none"  # chat is never rendered here then
+        try:
+            none = self._chat_ids({"messages": DISABLED_THINKING_PROBE, "reasoning_effort": "none"})
+            if any(self._chat_ids({"messages": DISABLED_THINKING_PROBE, "reasoning_effort": e}) == none
+                   for e in EFFORTS):
+                return "low"
+        except Exception:  # the template refuses "none"
+            return "low"
+        return "none"
+
+    def _as_chat(self, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Messages and Responses bodies as the chat body vLLM renders for them."""
+        if endpoint == "messages":
+            return "chat", messages_as_chat(body, merge_inline_system=self.merge_inline_system,
+                                            disabled_thinking_effort=self.disabled_thinking_effort)
+        if endpoint == "responses":
+            return "chat", responses_as_chat(body)
+        return endpoint, body
 
     async def prompt_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        size = _size(endpoint, body)
-        if size is None:
+        if endpoint not in TOKEN_ENDPOINTS:
             return None
         try:
-            if endpoint == "chat" and self.cache is not None:
+            endpoint, body = self._as_chat(endpoint, body)
+            size = _size(endpoint, body)
+            if endpoint == "chat" and self._segmented(body):
                 # Render and look the segments up here (cheap); tokenize what is new
                 # here or in the thread, by how much of it there is.
                 items, uncached = self._chat_plan(body)
@@ -231,7 +268,7 @@ class HFTokenSource:
             if size <= self.inline_max_chars and not truncating:
                 return self._ids(endpoint, body)
             return await self._offload(self._ids, endpoint, body)
-        except _Unrenderable:
+        except Unrenderable:
             return None
         except Exception:  # a template error or a body vLLM would reject: route approximately
             self.failures += 1
@@ -245,23 +282,32 @@ class HFTokenSource:
     def ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """Synchronous ``prompt_ids`` (benchmarks, tests): same answer, on the calling thread."""
         try:
-            return self._ids(endpoint, body)
+            return self._ids(*self._as_chat(endpoint, body))
         except Exception:
             return None
 
     def _ids(self, endpoint: str, body: dict[str, Any]) -> list[int]:
-        if endpoint == "chat" and self.cache is not None:
+        if endpoint == "chat" and self._segmented(body):
             return _keep_tail(self._finish(self._chat_plan(body)[0]), body)
         if endpoint == "chat":
             return _keep_tail(self._chat_ids(body), body)
         if endpoint == "completions":
             return _keep_tail(self._completion_ids(body), body)
-        raise _Unrenderable(endpoint)
+        raise Unrenderable(endpoint)
+
+    def _segmented(self, body: dict[str, Any]) -> bool:
+        """Whether this chat request goes through the segment cache (its special tokens can be added to it)."""
+        return self.cache is not None and (self._wrap is not None or not _special_tokens(body))
 
     def _chat_ids(self, body: dict[str, Any]) -> list[int]:
         # Without the segment cache: as vLLM's renderer calls it (renderers/hf.py safe_apply_chat_template):
         # tokenized by the template call itself, so no BOS is added a second time.
         conversation, tools, kwargs = self._template_args(body)
+        if _special_tokens(body):
+            # vLLM renders the text, then encodes it with the tokenizer's special tokens (a
+            # second BOS where the template writes one: vLLM does that too).
+            text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
+            return list(self.tokenizer(text, add_special_tokens=True).input_ids)
         ids = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True, return_dict=False,
                                                  **kwargs)
         return list(ids)
@@ -276,28 +322,46 @@ class HFTokenSource:
         conversation, tools, kwargs = self._template_args(body)
         text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
         if not isinstance(text, str):
-            raise _Unrenderable("template output")
+            raise Unrenderable("template output")
         items: list[Any] = []
         uncached = 0
         pending = start = 0  # text[pending:start] is short segments not yet handed on
+
+        def segment(begin: int, end: int) -> None:
+            nonlocal uncached
+            assert self.cache is not None
+            piece = text[begin:end]
+            key = self.cache.key(piece)
+            cached = self.cache.get(key)
+            if cached is None:
+                items.append([piece, key])
+                uncached += len(piece)
+            else:
+                items.append(cached)
+
         for end in [*self._cuts.ends(text), len(text)]:
             if end - start >= MIN_SEGMENT_CHARS:
+                # A long segment (a system prompt) is looked up alone, so the short turns
+                # before it (which vary) do not change its key.
                 if pending < start:
                     items.append([text[pending:start], None])
                     uncached += start - pending
-                segment = text[start:end]
-                key = self.cache.key(segment)
-                cached = self.cache.get(key)
-                if cached is None:
-                    items.append([segment, key])
-                    uncached += len(segment)
-                else:
-                    items.append(cached)
+                segment(start, end)
+                pending = end
+            elif end - pending >= MIN_SEGMENT_CHARS:
+                # Short turns are kept in runs of at least MIN_SEGMENT_CHARS, cut where the
+                # run first reaches it: a function of the text before the cut only, so the
+                # next request of a conversation (the same turns, then new ones) finds every
+                # run again and tokenizes only its new turns (an agent's many short turns).
+                segment(pending, end)
                 pending = end
             start = end
         if pending < len(text):
             items.append([text[pending:], None])
             uncached += len(text) - pending
+        if _special_tokens(body):
+            assert self._wrap is not None
+            items = [self._wrap[0], *items, self._wrap[1]]
         return items, uncached
 
     def _finish(self, items: list[Any]) -> list[int]:
@@ -325,14 +389,14 @@ class HFTokenSource:
         template = self.chat_template
         if template is None or body.get("chat_template") is not None:
             # A request-supplied template is refused by vLLM unless the operator trusts it.
-            raise _Unrenderable("chat template")
+            raise Unrenderable("chat template")
         add_generation_prompt = body.get("add_generation_prompt", True)
         continue_final = body.get("continue_final_message", False)
         if add_generation_prompt and continue_final:
-            raise _Unrenderable("vLLM rejects add_generation_prompt with continue_final_message")
+            raise Unrenderable("vLLM rejects add_generation_prompt with continue_final_message")
         extra = body.get("chat_template_kwargs") or {}
         if not isinstance(extra, dict) or _RESERVED_KWARGS & extra.keys():
-            raise _Unrenderable("chat_template_kwargs")
+            raise Unrenderable("chat_template_kwargs")
         kwargs: dict[str, Any] = {**extra, "add_generation_prompt": bool(add_generation_prompt),
                                   "continue_final_message": bool(continue_final)}
         for name in ("documents", "reasoning_effort"):
@@ -344,7 +408,7 @@ class HFTokenSource:
         conversation = _conversation(body.get("messages"))
         if not self.template_has_developer and any(m["role"] == "developer" for m in conversation):
             conversation = _developer_as_system(conversation)
-        return conversation, body.get("tools") or None, kwargs
+        return conversation, chat_tools(body.get("tools")), kwargs
 
     def _completion_ids(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -355,7 +419,7 @@ class HFTokenSource:
         if isinstance(prompt, list) and _is_ids(prompt):
             return list(prompt)
         if not isinstance(prompt, str):
-            raise _Unrenderable("prompt")
+            raise Unrenderable("prompt")
         special = bool(body.get("add_special_tokens", True))
         k = body.get("truncate_prompt_tokens")
         if _positive_int(k) and body.get("truncation_side") is None:
@@ -380,6 +444,31 @@ class HFTokenSource:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _special_tokens(body: dict[str, Any]) -> bool:
+    """A chat request's ``add_special_tokens`` (False unless set; Responses bodies set it, routing.vllm_chat)."""
+    value = body.get("add_special_tokens", False)
+    if not isinstance(value, bool):
+        raise Unrenderable("add_special_tokens")
+    return value
+
+
+def _special_wrap(tokenizer: Any, encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(before, after): the ids ``tokenizer(text, add_special_tokens=True)`` adds around ``encode(text)``,
+    if it only ever adds those (checked on the backend probes)."""
+    wrap = None
+    for text in _BACKEND_PROBES:
+        plain = encode(text)
+        full = list(tokenizer(text, add_special_tokens=True).input_ids)
+        before = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+        if before is None:
+            return None
+        found = (tuple(full[:before]), tuple(full[before + len(plain):]))
+        if wrap is not None and found != wrap:
+            return None
+        wrap = found
+    return wrap
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -389,8 +478,8 @@ def _is_ids(value: Any) -> bool:
                                                            for t in value)
 
 
-def _size(endpoint: str, body: dict[str, Any]) -> int | None:
-    """Roughly how many characters will be tokenized; None for endpoints without a prompt."""
+def _size(endpoint: str, body: dict[str, Any]) -> int:
+    """Roughly how many characters a chat or completions request will tokenize."""
     if endpoint == "chat":
         total = 0
         for m in body.get("messages") or ():
@@ -409,5 +498,4 @@ def _size(endpoint: str, body: dict[str, Any]) -> int | None:
             return len(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             return len(prompt[0])
-        return 0
-    return None
+    return 0

@@ -30,6 +30,7 @@ from gateway.settings import load_settings
 from policies import cache_salt
 from routing.base import RouteRequest
 from routing.token_keys import block_keys
+from routing.tokens import HFTokenSource
 from tests.support.kv_sims import EventSim, token_prompt
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL
@@ -196,5 +197,41 @@ def test_a_cut_stream_degrades_to_approximate_and_replay_recovers(fleet: list[Ev
         assert row["gaps_replayed"] == 1 and row["resets"] == 0
         assert g.held(lost, victim.name) == 3  # the lost batch came back through replay
         assert not any("kv events" in d for d in g.readyz().json()["degraded"])
+    finally:
+        g.stop()
+
+
+def _protocol_body(endpoint: str, n: int) -> dict[str, Any]:
+    """A Messages or Responses request with its own long system prompt (about ten blocks)."""
+    system = f"Agent {n} for {endpoint}: " + " ".join(f"rule{n}x{i} keeps the prefix stable" for i in range(30))
+    if endpoint == "messages":
+        return {"model": MODEL, "max_tokens": 1, "system": system, "messages": [{"role": "user", "content": "go"}]}
+    return {"model": MODEL, "max_output_tokens": 1, "instructions": system, "input": "go"}
+
+
+def test_messages_and_responses_requests_follow_the_replica_holding_their_tokens(
+        fleet: list[EventSim], tokenizer_dir: Path) -> None:
+    """Their token ids come from vLLM's conversion to chat (routing.vllm_chat): a replica whose
+    events show those blocks is where each request goes, whichever replica that is."""
+    g = Gateway(fleet, tokenizer_dir)
+    try:
+        wait(lambda: all_precise(g))
+        source = g.rt.tokenization.sources[MODEL]
+        assert isinstance(source, HFTokenSource)
+        for endpoint, path in (("messages", "/v1/messages"), ("responses", "/v1/responses")):
+            for n, holder in enumerate(fleet):  # each replica in turn holds one request's prompt
+                body = _protocol_body(endpoint, n)
+                ids = source.ids(endpoint, body)
+                assert ids is not None and len(ids) >= 8 * BS
+                anyio.run(holder.complete, ids, SALT)  # the replica prefills exactly those ids
+                wait(lambda ids=ids, holder=holder: g.held(ids, holder.name) == len(ids) // BS)
+                r = httpx.post(g.server.url + path, json=body, timeout=10)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-kvgate-replica"] == holder.name, f"{endpoint} request {n}"
+                time.sleep(0.05)  # this instance's own prefill backlog drains (routing.backlog)
+        row = g.routing()["tokenization"]["models"][MODEL]["endpoints"]
+        assert row["messages"] == {"exact": 3, "fallback": 0}
+        assert row["responses"] == {"exact": 3, "fallback": 0}
+        assert g.routing()["precise_decisions"] >= 6
     finally:
         g.stop()

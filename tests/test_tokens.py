@@ -209,6 +209,59 @@ def test_gateway_fills_token_ids_once_per_request_and_reports_modes(tokdir: Path
         stack.close()
 
 
+def test_messages_and_responses_carry_token_ids_and_count_tokens_does_not(tokdir: Path) -> None:
+    """Per endpoint in /admin/routing: which requests got exact ids. count_tokens prefills
+    nothing, so it is neither tokenized nor counted; a Responses turn continuing a stored
+    response has its history on the replica, so it falls back."""
+    stack = start_stack(1, routing={"policy": "least_load", "tokenizers": {MODEL: str(tokdir)}},
+                        admin_token="admin-secret")
+    try:
+        with httpx.Client(base_url=stack.url, timeout=10) as client:
+            messages = {"model": MODEL, "max_tokens": 2, "system": "Be brief.",
+                        "messages": [{"role": "user", "content": "hello"}]}
+            for _ in range(2):
+                assert client.post("/v1/messages", json=messages).status_code == 200
+            assert client.post("/v1/messages/count_tokens", json={
+                "model": MODEL, "messages": messages["messages"]}).status_code == 200
+            first = client.post("/v1/responses", json={"model": MODEL, "instructions": "Be brief.", "input": "hi"})
+            assert first.status_code == 200, first.text
+            again = client.post("/v1/responses", json={"model": MODEL, "input": "more",
+                                                       "previous_response_id": first.json()["id"]})
+            assert again.status_code == 200, again.text
+        assert stack.admin is not None
+        routing = httpx.get(stack.admin.url + "/admin/routing", timeout=5,
+                            headers={"authorization": "Bearer admin-secret"}).json()["tokenization"]
+        assert routing["endpoints"] == ["chat", "completions", "messages", "responses"]
+        assert routing["models"][MODEL]["endpoints"] == {
+            "messages": {"exact": 2, "fallback": 0}, "responses": {"exact": 1, "fallback": 1}}
+        assert routing["models"][MODEL]["exact"] == 3
+    finally:
+        stack.close()
+
+
+def test_messages_and_responses_ids_are_their_chat_equivalents(source: HFTokenSource) -> None:
+    """The conversion's layout, without vLLM: Messages joins system blocks with nothing between and
+    keeps a user turn's tool results ahead of its text; Responses adds the tokenizer's BOS."""
+    chat = ids(source, "chat", {"messages": [{"role": "system", "content": "A.B."},
+                                             {"role": "user", "content": "q"},
+                                             {"role": "assistant", "content": "", "tool_calls": [
+                                                 {"id": "t1", "type": "function",
+                                                  "function": {"name": "f", "arguments": "{}"}}]},
+                                             {"role": "tool", "tool_call_id": "t1", "content": "r"},
+                                             {"role": "user", "content": "thanks"}]})
+    messages = ids(source, "messages", {"max_tokens": 4, "system": [{"type": "text", "text": "A."},
+                                                                    {"type": "text", "text": "B."}],
+                                        "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "text", "text": "thanks"},
+                                     {"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}]})
+    assert chat is not None and messages == chat
+    plain = ids(source, "chat", {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]})
+    assert plain is not None
+    assert ids(source, "responses", {"instructions": "S", "input": "u"}) == [source.tokenizer.bos_token_id, *plain]
+
+
 def test_a_dead_render_server_never_fails_a_request() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     stack = start_stack(1, routing={"policy": "least_load", "render_url": dead, "render_timeout_s": 0.2},
@@ -224,7 +277,8 @@ def test_a_dead_render_server_never_fails_a_request() -> None:
         assert stack.admin is not None
         routing = httpx.get(stack.admin.url + "/admin/routing", timeout=5,
                             headers={"authorization": "Bearer admin-secret"}).json()
-        assert routing["tokenization"]["models"][MODEL] == {"mode": "render", "exact": 0, "fallback": 3}
+        assert routing["tokenization"]["models"][MODEL] == {
+            "mode": "render", "exact": 0, "fallback": 3, "endpoints": {"chat": {"exact": 0, "fallback": 3}}}
         assert routing["tokenization"]["render"]["requests"] == 1
     finally:
         stack.close()
@@ -315,6 +369,25 @@ def test_precise_demo_tokenizes_replicas_and_gateway_alike(tmp_path: Path) -> No
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_a_growing_conversation_of_short_turns_tokenizes_only_its_new_turns(source: HFTokenSource) -> None:
+    """An agent's turns are each shorter than a cached segment; kept in runs, the next request of
+    the conversation finds all earlier runs. The ids stay those of one whole tokenization."""
+    from routing.token_cache import MIN_SEGMENT_CHARS
+
+    turns: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
+    new_chars = []
+    for k in range(30):
+        turns += [{"role": "user", "content": f"Step {k}: read file src/m{k}.py and say what it does."},
+                  {"role": "assistant", "content": f"File {k} defines helper number {k}."}]
+        body = {"messages": turns}
+        new_chars.append(source._chat_plan(body)[1])  # characters still to tokenize, before this request
+        assert ids(source, "chat", body) == source._chat_ids(body)
+    whole = len(source.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+    assert whole > 8 * MIN_SEGMENT_CHARS
+    # At most the run still open (under MIN_SEGMENT_CHARS) plus this request's turns and the generation prompt.
+    assert max(new_chars[1:]) < MIN_SEGMENT_CHARS + 200, new_chars
 
 
 def test_the_segment_cache_gives_the_ids_of_a_whole_tokenization(source: HFTokenSource) -> None:

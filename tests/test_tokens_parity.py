@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from routing.render_tokens import RenderTokenSource
 from routing.tokens import HFTokenSource
+from tests.support.protocol_bodies import MESSAGES, RESPONSES, UNRENDERABLE
 from tests.support.vllm_env import RenderServer, need_vllm, render_server
 from vllm_sim.tokenizer_dir import build_tokenizer_dir
 
@@ -80,6 +81,13 @@ CHATS: dict[str, dict[str, Any]] = {
     "reasoning_effort": {"reasoning_effort": "low", "messages": [{"role": "user", "content": "think"}]},
     "unknown_fields_and_kwargs": {"chat_template_kwargs": {"enable_thinking": False},
                                   "messages": [{"role": "user", "content": "x", "metadata": {"a": 1}}]},
+    # vLLM hands the template its own dump of each tool: fixed key order, unknown keys
+    # dropped, a missing description as null, defer_loading copied into the function.
+    "tools_as_vllm_dumps_them": {"tool_choice": "none", "tools": [
+        {"function": {"parameters": {"type": "object"}, "name": "ping", "x-extra": 1}, "type": "function"},
+        {"type": "function", "function": {"name": "later", "description": "d"}, "defer_loading": True}],
+        "messages": [{"role": "user", "content": "x"}]},
+    "add_special_tokens": {"add_special_tokens": True, "messages": [{"role": "user", "content": "x"}]},
 }
 
 COMPLETIONS: dict[str, dict[str, Any]] = {
@@ -190,9 +198,159 @@ def test_any_text_chat_equals_vllm_render(server: RenderServer, source: HFTokenS
     assert ours(source, "chat", body) == server.render("chat", body)
 
 
+# ---- /v1/messages and /v1/responses: vLLM's conversion to chat, then the chat template ----
+
+@pytest.mark.parametrize("case", sorted(MESSAGES))
+def test_messages_ids_equal_vllm_render(server: RenderServer, source: HFTokenSource, case: str) -> None:
+    body = MESSAGES[case]
+    assert ours(source, "messages", body) == server.render("messages", body)
+
+
+@pytest.mark.parametrize("case", sorted(RESPONSES))
+def test_responses_ids_equal_vllm_render(server: RenderServer, source: HFTokenSource, case: str) -> None:
+    body = RESPONSES[case]
+    expected = server.render("responses", body)
+    assert ours(source, "responses", body) == expected
+    # vLLM 0.33 tokenizes a Responses prompt with the tokenizer's special tokens, unlike chat.
+    assert expected[0] == source.tokenizer.convert_tokens_to_ids("[CLS]")
+
+
+@pytest.mark.parametrize("case", sorted(UNRENDERABLE))
+def test_what_kvgate_cannot_reproduce_routes_approximately(source: HFTokenSource, case: str) -> None:
+    endpoint, body = UNRENDERABLE[case]
+    assert ours(source, endpoint, body) is None
+
+
+def test_long_messages_and_responses_from_the_segment_cache_equal_vllm_render(
+        server: RenderServer, source: HFTokenSource) -> None:
+    """A 4K-token system prompt shared by turns on both protocols: ids from the cache, still vLLM's."""
+    assert source.cache is not None
+    system = "Protocols. " + long_chat(4096)["messages"][0]["content"]  # not the chat tests' prompt: uncached
+    hits, offloaded = source.cache.hits, source.offloaded
+    for question in ("First?", "Second, with ünïcödé", "Third ☕"):
+        messages = {"max_tokens": 8, "system": system, "messages": [{"role": "user", "content": question}]}
+        assert ours(source, "messages", messages) == server.render("messages", messages)
+        responses = {"instructions": system, "input": question}
+        assert ours(source, "responses", responses) == server.render("responses", responses)
+    assert source.cache.hits >= hits + 4, "the shared system prompt is tokenized once"
+    assert source.offloaded > offloaded, "the first long prompt is tokenized off the event loop"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "messages", "responses"])
+def test_a_growing_agent_conversation_equals_vllm_render(server: RenderServer, source: HFTokenSource,
+                                                         endpoint: str) -> None:
+    """An agent's conversation growing a round (user turn, tool call, tool result) per request:
+    after the first, its ids come mostly from cached runs of short turns, and stay vLLM's."""
+    from bench.tokenization import agent_bodies
+
+    assert source.cache is not None
+    hits = source.cache.hits
+    for rounds in range(1, 13):
+        body = agent_bodies(rounds, tools=3, tag=f"parity {endpoint}: ")[endpoint]
+        assert ours(source, endpoint, body) == server.render(endpoint, body), f"{rounds} rounds"
+    assert source.cache.hits >= hits + 11
+
+
+def test_the_render_client_asks_the_messages_and_responses_routes(server: RenderServer) -> None:
+    async def run() -> tuple[list[int] | None, ...]:
+        client = RenderTokenSource(server.url, timeout_s=30)
+        try:
+            messages = await client.prompt_ids("messages", {"model": server.model,
+                                                            **MESSAGES["system_turns_tools_unicode"]})
+            responses = await client.prompt_ids("responses", {"model": server.model,
+                                                              **RESPONSES["instructions_items_tools"]})
+            # The render server keeps no responses: not asked (no request, no failure).
+            asked = client.requests
+            stored = await client.prompt_ids("responses", {"model": server.model, "input": "x",
+                                                           "previous_response_id": "resp_1"})
+            return messages, responses, stored, asked, client.requests, client.failures
+        finally:
+            await client.aclose()
+
+    messages, responses, stored, asked, requests, failures = asyncio.run(run())
+    assert messages == server.render("messages", MESSAGES["system_turns_tools_unicode"])
+    assert responses == server.render("responses", RESPONSES["instructions_items_tools"])
+    assert stored is None and requests == asked == 2 and failures == 0
+
+
+def _rendered_or_none(server: RenderServer, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+    """The server's ids, or None where it answers 400 (all text blocks empty: "an empty conversation")."""
+    import httpx
+
+    try:
+        return server.render(endpoint, body)
+    except httpx.HTTPStatusError as err:
+        if err.response.status_code != 400:
+            raise
+        return None
+
+
+_blocks = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text}), min_size=1, max_size=3)
+_anthropic_turn = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                         "content": st.one_of(_text, _blocks)})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=st.one_of(st.none(), _text, _blocks), turns=st.lists(_anthropic_turn, min_size=1, max_size=4))
+def test_any_text_messages_equal_vllm_render(server: RenderServer, source: HFTokenSource, system: Any,
+                                             turns: list[dict[str, Any]]) -> None:
+    body: dict[str, Any] = {"max_tokens": 8, "messages": turns}
+    if system is not None:
+        body["system"] = system
+    assert ours(source, "messages", body) == _rendered_or_none(server, "messages", body)
+
+
+_response_item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]), "content": _text}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(
+        st.fixed_dictionaries({"type": st.just("input_text"), "text": _text}), min_size=1, max_size=3)}),
+    st.fixed_dictionaries({"type": st.just("message"), "role": st.just("assistant"), "content": st.lists(
+        st.fixed_dictionaries({"type": st.just("output_text"), "text": _text}), min_size=1, max_size=2)}),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(instructions=st.one_of(st.none(), _text), items=st.lists(_response_item, min_size=1, max_size=4))
+def test_any_text_responses_equal_vllm_render(server: RenderServer, source: HFTokenSource,
+                                              instructions: str | None, items: list[dict[str, Any]]) -> None:
+    body: dict[str, Any] = {"input": items}
+    if instructions is not None:
+        body["instructions"] = instructions
+    assert ours(source, "responses", body) == _rendered_or_none(server, "responses", body)
+
+
+def test_inline_system_merging_is_decided_as_vllm_decides_it() -> None:
+    """``needs_system_first`` against vLLM's own ``_detect_merge_inline_system`` on templates that differ."""
+    import json
+    import subprocess
+
+    from bench.vllm_render import vllm_env
+    from routing.vllm_chat import needs_system_first
+
+    templates = [
+        Path(__file__).parents[1].joinpath("vllm_sim", "chatml.jinja").read_text(),
+        # Qwen's guard: a system message anywhere but first raises.
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be first') }}{% endif %}{{ m.content }}{% endfor %}",
+        "{{ messages[0].content }}{{ strftime_now('%Y') }}",  # a helper vLLM's probe does not define
+        "{% for m in messages %}{{ m.role }}{% endfor %}{{ bos_token }}",
+        "",
+    ]
+    code = ("import json, sys\n"
+            "from vllm.entrypoints.anthropic.serving import AnthropicServingMessages as A\n"
+            "print(json.dumps([A._detect_merge_inline_system(t or None) for t in json.loads(sys.stdin.read())]))")
+    out = subprocess.run([need_vllm(), "-c", code], input=json.dumps(templates), capture_output=True, text=True,
+                         env=vllm_env(), timeout=240, check=True)
+    expected = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [needs_system_first(t or None) for t in templates] == expected
+    assert expected[:2] == [False, True], "both answers occur"
+
+
 # The simulator renders what kvgate's benchmarks send; developer-role folding and
 # prompt truncation are the gateway's concern, not the fake's.
-SIM_SKIPS = {"developer_role", "truncated_chat", "truncated", "truncated_left", "truncated_right", "truncated_ids"}
+# Nor does it redo vLLM's tool dump or a chat request's add_special_tokens (benchmarks send neither).
+SIM_SKIPS = {"developer_role", "truncated_chat", "truncated", "truncated_left", "truncated_right", "truncated_ids",
+             "tools_as_vllm_dumps_them", "add_special_tokens"}
 
 
 @pytest.fixture(scope="module")
