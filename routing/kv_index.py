@@ -1,6 +1,6 @@
 """Which replica holds which token block, learned from each replica's own KV events.
 
-The truth the cost model reads in precise mode (``routing.cost_model``). Every
+The truth prefix affinity reads in precise mode (``routing.prefix_affinity``). Every
 kvgate instance subscribes to every replica's events (``routing.kv_consumer``)
 and applies them here, so instances that share nothing hold the same index.
 
