@@ -30,9 +30,10 @@ def test_a_twin_has_its_own_context_under_its_organisations_key() -> None:
 
 def test_a_twin_served_elsewhere_is_followed_there_while_its_siblings_stay() -> None:
     policy = PrefixAffinity(RoutingSettings(), Clock())
-    replicas = [View(f"r{i}", running=4.0, waiting=0.0) for i in range(8)]
-    home = policy.prefer(twin(1, 1), replicas)[0].name
-    policy.observe(twin(1, 1), RouteFeedback(home, None, None, True))
+    replicas = [View(f"r{i}", running=4.0, waiting=0.0, in_flight_at_scrape=4) for i in range(8)]  # alone
+    first = twin(1, 1)
+    home = policy.prefer(first, replicas)[0].name
+    policy.observe(first, RouteFeedback(home, None, None, True))  # served: its prefill is done
     other = next(r.name for r in replicas if r.name != home)
     # Twin 2 was served on another replica (a spill): its own prefix is warm there.
     policy.observe(twin(2, 1), RouteFeedback(other, None, None, True))

@@ -69,8 +69,8 @@ def test_a_placed_conversation_is_followed_by_the_instances_told_of_it() -> None
     a, b = PrefixAffinity(shared, Clock()), PrefixAffinity(shared, Clock())
     unaware = PrefixAffinity(RoutingSettings(), Clock())
     replicas = busy_fleet()
-    a.prefer(conversation(-1), replicas)  # a long prompt queued on one replica ...
-    crowded = rendezvous_order(a.keyer.key_for(conversation(-1), 8).key, replicas)[0].name
+    crowded = "r0"
+    a.backlog.add(crowded, 100_000)  # long prompts queued on one replica ...
     # ... so new conversations that hash there are placed elsewhere by instance a.
     moved = []
     for i in range(200):
