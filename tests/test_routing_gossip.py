@@ -16,7 +16,6 @@ from gateway.settings import load_settings
 from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.gossip import HELD, PLACED, Gossip, decode, encode
 from routing.prefix_affinity import PrefixAffinity
-from routing.rendezvous import rendezvous_order
 from tests.support import chats
 from tests.support.clock import Clock
 from tests.support.redis_server import PrivateRedis
