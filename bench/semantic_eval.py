@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from semantic_cache import CachedAnswer, LocalEmbedder, SemanticCache, SemanticCacheSettings, cache_request
+from semantic_cache.settings import embedder_threads
 
 REPO = Path(__file__).resolve().parent.parent
 PAIR_SETS = ["qqp_dev", "paws_wiki_dev", "mrpc_train", "stsb_train", "sick_train"]
@@ -149,7 +150,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "kvgate": SemanticCacheSettings(**common),
         "plain-0.92": SemanticCacheSettings(**common, threshold=0.92, verifier=False),
     }
-    inner = LocalEmbedder(batch_max=CHUNK, threads=args.threads)
+    torch_threads, ort_threads = embedder_threads(args.threads)
+    inner = LocalEmbedder(batch_max=CHUNK, threads=torch_threads, ort_threads=ort_threads)
     memo = MemoEmbedder(inner)
     await memo.start()
     sets = {name: load_pairs(data / f"{name}.jsonl", args.limit, args.seed) for name in PAIR_SETS}
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="at most this many pairs per set, sampled with --seed (0 = all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=SemanticCacheSettings().embed_threads,
-                        help="torch threads for the model (2 is faster on an idle 2-core machine)")
+                        help="threads for the model (default: the embed_threads setting's, one per core)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -36,6 +36,7 @@ import numpy as np
 from semantic_cache import (CachedAnswer, HashEmbedder, LocalEmbedder, SemanticCache, SemanticCacheSettings,
                             StoreUnavailable, cache_request)
 from semantic_cache.index import VectorIndex
+from semantic_cache.settings import embedder_threads
 
 QUESTIONS = [
     "How do I reset my router password?", "What are some tips for learning French?",
@@ -293,12 +294,12 @@ async def store_as_gateway(cache: SemanticCache, r: Any, answer: CachedAnswer, l
     return exact, time.perf_counter() - t0
 
 
-def batching(cache: SemanticCache) -> tuple[int, int, int, int]:
-    """(model calls, texts embedded, Redis write round trips, writes) so far; zeros where
-    the cache does not count them (kvgate before batched writes)."""
+def batching(cache: SemanticCache) -> tuple[int, int, int, int, int]:
+    """(model calls, texts embedded, Redis write round trips, writes, change-log reads) so
+    far; zeros where the cache does not count them (kvgate before batched writes)."""
     st = cache.stats()
     return (st.get("embed_batches", 0), st.get("embedded_texts", 0), st.get("redis_write_batches", 0),
-            st.get("redis_writes", 0))
+            st.get("redis_writes", 0), st.get("sync", {}).get("log_reads", 0))
 
 
 def per_batch(before: tuple[int, ...], after: tuple[int, ...], calls: int, items: int) -> str:
@@ -352,8 +353,11 @@ async def servable_row(args: argparse.Namespace, embedder: LocalEmbedder, client
             served["semantic" if para.tier == "semantic" else f"miss:{para.reason}"] += 1
     n = len(exact_s)
     where = f"{'new' if fresh else 'cached'} contexts, {clients:>2} clients"
+    # Change-log reads per write: each is a socket write on the loop the stores share.
+    reads = (f"  log reads/write {(counts[4] - counts0[4]) / max(counts[3] - counts0[3], 1):.2f}"
+             if args.redis_url else "")
     print(row(f"store-to-servable exact, {where}", exact_s) + f"  served {served['exact']}/{n}"
-          f"  writes/round trip {per_batch(counts0, counts, 2, 3)}")
+          f"  writes/round trip {per_batch(counts0, counts, 2, 3)}{reads}")
     misses = " ".join(f"{k} {v}" for k, v in sorted(served.items()) if k.startswith("miss:"))
     print(row(f"store-to-servable semantic, {where}", semantic_s) + f"  served {served['semantic']}/{n}"
           f"  texts/model call {per_batch(counts0, counts, 0, 1)} {misses}")
@@ -417,7 +421,9 @@ async def run(args: argparse.Namespace) -> None:
         await bench_exact(args)
     embedder = None
     if only & {"semantic", "embed", "servable"}:
-        embedder = LocalEmbedder(batch_max=32, threads=args.threads, fast=not args.no_fast)
+        torch_threads, ort_threads = embedder_threads(args.threads)
+        embedder = LocalEmbedder(batch_max=32, threads=torch_threads, ort_threads=ort_threads,
+                                 fast=not args.no_fast)
         await embedder.start()
     if "semantic" in only and embedder is not None:
         await bench_semantic(args, embedder)
@@ -446,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="servable: upstream generation time between lookup and answer (0: the worst case)")
     parser.add_argument("--million", action="store_true", help="also build a 1M-entry index (minutes, ~2.5 GB)")
     parser.add_argument("--threads", type=int, default=SemanticCacheSettings().embed_threads,
-                        help="torch threads for the model")
+                        help="threads for the model (default: the embed_threads setting's, one per core)")
     parser.add_argument("--no-fast", action="store_true",
                         help="run the model through SentenceTransformer.encode (embed_fast=false)")
     parser.add_argument("--gateway-url", help="measure end to end through a running kvgate instead")

@@ -138,7 +138,8 @@ class Runtime:
             url = self.settings.redis_url.get_secret_value() if self.settings.redis_url else None
             self.cache = await SemanticCache.open(self.settings.semantic_cache, url, self.settings.redis_timeout_s,
                                                   connect=redis_client.connector(url) if url else None,
-                                                  loader=self._embedding_loader)
+                                                  loader=self._embedding_loader,
+                                                  workers=self.settings.workers)
         if self.settings.routing.dns_name:
             self.spawn(self._dns_loop())
         self._share_routing()

@@ -48,7 +48,7 @@ from .inflight import Inflight
 from .models import CachedAnswer, CacheRequest, Entry, Lookup
 from .normalize import embedding_text
 from .redis_store import RedisStore
-from .settings import SemanticCacheSettings
+from .settings import SemanticCacheSettings, embedder_threads
 from .store import MemoryStore, PurgeFilter, Store, StoreUnavailable
 from .sync import IndexSync
 from .verifier import Verifier
@@ -65,8 +65,9 @@ class PendingVector:
 
 
 def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClient | None,
-                  loader: Callable[[], Any] | None = None) -> Embedder:
-    """``loader`` replaces the packaged model's loader (the seam for a slow or failing load)."""
+                  loader: Callable[[], Any] | None = None, workers: int = 1) -> Embedder:
+    """``loader`` replaces the packaged model's loader (the seam for a slow or failing load);
+    ``workers``: the kvgate processes on this machine, each with its own model."""
     if settings.embedder == "hash":
         return HashEmbedder()
     if settings.embedder == "remote":
@@ -75,8 +76,9 @@ def make_embedder(settings: SemanticCacheSettings, http_client: httpx.AsyncClien
         return RemoteEmbedder(http_client, settings.embedding_url, settings.embedding_model,
                               batch_max=settings.batch_max, timeout_s=settings.embed_timeout_s)
     extra = {"loader": loader} if loader is not None else {}
-    return LocalEmbedder(batch_max=settings.batch_max, name=settings.embedding_model,
-                         threads=settings.embed_threads, fast=settings.embed_fast, **extra)
+    torch_threads, ort_threads = embedder_threads(settings.embed_threads, workers)
+    return LocalEmbedder(batch_max=settings.batch_max, name=settings.embedding_model, threads=torch_threads,
+                         ort_threads=ort_threads, fast=settings.embed_fast, **extra)
 
 
 class SemanticCache:
@@ -110,17 +112,18 @@ class SemanticCache:
                    *, embedder: Embedder | None = None,
                    http_client: httpx.AsyncClient | None = None,
                    connect: Callable[[float, float], Any] | None = None,
-                   loader: Callable[[], Any] | None = None) -> "SemanticCache":
+                   loader: Callable[[], Any] | None = None, workers: int = 1) -> "SemanticCache":
         """Start the cache. Never fails because Redis is down: it starts degraded and
         reconnects by itself. The embedding model loads in the background; until it
         is ready the semantic tier is skipped (``wait_ready`` waits for it).
         ``connect`` builds the Redis clients (``RedisStore``), e.g. for a cluster; ``loader``
-        loads the local model instead of the packaged loader."""
+        loads the local model instead of the packaged loader; ``workers`` (kvgate processes
+        on this machine) shares the cores among their models."""
         owned = None
         owns_embedder = embedder is None  # an injected embedder stays its owner's to close
         if embedder is None and settings.embedder == "remote" and http_client is None:
             http_client = owned = httpx.AsyncClient()
-        embedder = embedder or make_embedder(settings, http_client, loader)
+        embedder = embedder or make_embedder(settings, http_client, loader, workers)
         store: Store
         instance_id = secrets.token_hex(8)
         if redis_url:
@@ -139,6 +142,7 @@ class SemanticCache:
                 log.warning("semantic cache: Redis unavailable at start-up; running degraded")
             cache._sync = IndexSync(store, cache, instance_id=instance_id,
                                     resync_interval_s=settings.resync_interval_s,
+                                    interval_s=settings.sync_interval_ms / 1000,
                                     retry_s=settings.probe_interval_s)
             cache._sync.start()
         cache._ready_task = asyncio.get_running_loop().create_task(cache._note_ready())
@@ -490,6 +494,7 @@ class SemanticCache:
             out["redis_write_batches"], out["redis_writes"] = self._store.writes.batches, self._store.writes.items
         if self._sync is not None:
             out["sync"] = {"resyncs": self._sync.resyncs, "events": self._sync.events_applied,
+                           "log_reads": self._sync.reads,
                            "last_sync": self._sync.last_sync}
         batcher = getattr(self._embedder, "batcher", None)
         if batcher is not None:

@@ -107,17 +107,20 @@ def load_minilm() -> Any:
 class LocalEmbedder:
     """A sentence-transformers model run in one dedicated worker thread.
 
-    One thread, because the model already uses every core for a batch; two
-    concurrent encodes would only contend. Loading happens in that same thread,
-    so the event loop never waits on it.
+    One calling thread, because the model's own threads (``ort_threads``) already
+    spread a batch over the cores; two concurrent encodes would only contend.
+    Loading happens in that same thread, so the event loop never waits on it.
     """
 
     def __init__(self, *, batch_max: int = 32,
                  loader: Callable[[], Any] = load_minilm, name: str = "all-MiniLM-L6-v2",
-                 threads: int | None = 1, fast: bool = True) -> None:
+                 threads: int | None = 1, fast: bool = True, ort_threads: int | None = None) -> None:
+        """``threads``: torch's (None: left as torch sets it); ``ort_threads``: ONNX
+        Runtime's (None: ``threads``, else 1)."""
         self.name = name
         self._loader = loader
         self._threads = threads
+        self._ort_threads = ort_threads
         self._fast_path = fast
         self._model: Any = None
         self._fast: fast_encode.EncodeFn | None = None
@@ -151,7 +154,8 @@ class LocalEmbedder:
         model = self._loader()
         # ONNX Runtime (or a TorchScript trace) cuts most of a query's latency; None keeps
         # model.encode. Building it runs both on probes, which is the warm-up too.
-        self._fast = fast_encode.build(model, self._threads or 1) if self._fast_path else None
+        ort_threads = self._ort_threads or self._threads or 1
+        self._fast = fast_encode.build(model, ort_threads) if self._fast_path else None
         if self._fast is None:
             # Warm up here, not on the first request: the first forward pass allocates.
             model.encode(["warm up"], batch_size=1, normalize_embeddings=True, convert_to_numpy=True,

@@ -6,6 +6,7 @@ Defaults are the configuration measured by ``bench/semantic_eval.py``; change
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,10 +43,15 @@ class SemanticCacheSettings(_Section):
     # A lookup waits at most this long for its embedding, then counts as a miss: a
     # starved model must not add seconds to time-to-first-token (one query: ~15 ms).
     embed_timeout_s: float = Field(0.5, gt=0)
-    # Torch threads for the local model. One: on a shared 2-core box a second OpenMP
-    # thread spin-waits against the event loop (measured p50 for one query: 13 ms with 1
-    # thread, 115 ms with 2 under load). Raise it on a dedicated embedding host.
-    embed_threads: int = Field(1, ge=1, le=64)
+    # Threads for the local model. Unset: ONNX Runtime (the default path) gets every core
+    # this process may run on, shared among the workers (``embedder_threads``): its
+    # threads sleep between batches instead of spinning, so they take a core only while
+    # a batch computes, and a batch is pure arithmetic that splits across cores (8
+    # clients in new contexts, idle box: p99 68 -> 40 ms with 2 threads instead of 1).
+    # Torch (the fallbacks) keeps one: its OpenMP threads spin-wait against the event
+    # loop (one query under load: p50 13 ms with 1 thread, 115 ms with 2). A number
+    # sets both.
+    embed_threads: int | None = Field(None, ge=1, le=64)
     # Run the local model through ONNX Runtime, else a frozen TorchScript trace (same
     # vectors, checked at load; one query 24.6 -> 9.6 ms on one core, see
     # semantic_cache/fast_encode.py). Off: SentenceTransformer.encode.
@@ -73,4 +79,24 @@ class SemanticCacheSettings(_Section):
     breaker_failures: int = Field(3, ge=1)
     resync_interval_s: float = Field(60.0, gt=0)
     sync_block_ms: int = Field(500, ge=10, le=10_000)
+    # The change-log tail reads at most this often: each read is a socket write on the
+    # event loop, and every write (this instance's own too) would otherwise trigger one.
+    # Other instances still see an entry within about this plus one fetch (< 1 s).
+    sync_interval_ms: int = Field(100, ge=0, le=900)
     stream_maxlen: int = Field(100_000, ge=100)
+
+
+def cores_available() -> int:
+    """CPUs this process may run on (its affinity mask, which taskset and cpusets narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def embedder_threads(embed_threads: int | None, workers: int = 1) -> tuple[int, int]:
+    """(torch threads, ONNX Runtime threads) for ``embed_threads`` (see the setting)."""
+    if embed_threads is not None:
+        return embed_threads, embed_threads
+    # Each worker process runs its own model: together they use each core once.
+    return 1, max(1, cores_available() // max(1, workers))

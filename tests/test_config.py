@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,16 @@ def test_cli_refuses_bad_config(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert "listen.port" in proc.stderr
+
+
+def test_embed_threads_unset_gives_onnx_runtime_the_cores_shared_among_workers() -> None:
+    from semantic_cache.settings import cores_available, embedder_threads
+
+    cores = cores_available()
+    assert cores == len(os.sched_getaffinity(0))
+    # Unset: torch (the spinning fallbacks) keeps one thread, ORT gets the cores.
+    assert embedder_threads(None) == (1, cores)
+    assert embedder_threads(None, workers=cores) == (1, 1)
+    assert embedder_threads(None, workers=cores * 4) == (1, 1)  # never zero
+    assert embedder_threads(3, workers=2) == (3, 3)  # a number is taken as it is
+    assert load_settings(None, environ={}).semantic_cache.embed_threads is None

@@ -204,6 +204,34 @@ async def test_two_instances_share_entries_within_a_second(make_cache: Make) -> 
     assert a.stats()["indexed_vectors"] == 0
 
 
+@pytest.mark.parametrize("interval_ms", [900, 0])
+async def test_a_burst_of_writes_wakes_the_change_log_tail_once_not_once_each(make_cache: Make,
+                                                                              interval_ms: int) -> None:
+    """Every write (our own too) wakes a blocked log reader, and each re-arm is a socket
+    write on the event loop the stores share: the tail reads at most once per interval.
+    With no interval (the counter-case) it re-arms after nearly every write."""
+    a = await make_cache(sync_interval_ms=interval_ms)
+    b = await make_cache(sync_interval_ms=interval_ms)
+    reads0 = a.stats()["sync"]["log_reads"]
+    for i in range(12):  # 24 log events: each store writes the entry, then its vector
+        assert await a.store(chat_req(f"How do I install package number {i} in Python?"), ANSWER)
+    reads = a.stats()["sync"]["log_reads"] - reads0
+    if interval_ms:
+        # The first write wakes the tail; the rest wait in the stream (12 stores take far less
+        # than 0.9 s; a machine so loaded that they do not gets one more read per 0.9 s).
+        assert reads <= 3
+    else:
+        assert reads >= 6
+    # Another instance still serves them, from its own index, within a second.
+    deadline = time.monotonic() + 2.0
+    while True:
+        result = await b.lookup(chat_req("how do I install package number 11 in python"))
+        if result.status == "hit" or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    assert (result.status, result.tier) == ("hit", "semantic")
+
+
 @pytest.mark.parametrize("backend", ["redis", "memory"])
 async def test_a_vector_added_after_the_exact_write_is_shared_and_never_revives_a_gone_entry(
         make_cache: Make, redis_service: str, backend: str) -> None:
