@@ -14,7 +14,8 @@ tag, ``{kvgate:sc:}``: every key above shares one slot, so the scripts in
 ``put`` and ``set_vector`` stay atomic. The cache then lives on one shard (it does
 not spread over the cluster); the stream is one key anyway.
 
-Writes (``put``, ``set_vector``) are batched (``batching.Batcher``): a lone write
+Reads of an entry (``get``) and writes (``put``, ``set_vector``) are batched
+(``batching.Batcher``), each in its own batches, alike: a lone write
 goes at once; writes that arrive while a batch is on the wire go together in the
 next one, one pipelined round trip carrying all their scripts. Eight answers
 completing at once then cost one round trip, not eight queued ones. A batch
@@ -178,6 +179,8 @@ class RedisStore:
             self._p = "{" + prefix + "}"  # one hash slot for every key (see the module docstring)
         self.breaker = CircuitBreaker(breaker_failures)
         self._writes: Batcher[_Eval, Any] = Batcher(self._write_batch, max_connections, name="kvgate-sc-writes")
+        self._reads: Batcher[tuple[str, str], Any] = Batcher(self._read_batch, max_connections,
+                                                             name="kvgate-sc-reads")
         self._probe: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -256,14 +259,7 @@ class RedisStore:
     # ---- entries ----
 
     async def get(self, entry_id: str, namespace: str) -> Entry | None:
-        async def op(r: aioredis.Redis) -> Any:
-            pipe = r.pipeline(transaction=False)
-            pipe.hgetall(self._k("e:", entry_id))
-            # Touch recency in the same round trip; XX never resurrects a purged id.
-            pipe.zadd(self._k("ns:", namespace), {entry_id: time.time()}, xx=True)
-            return await pipe.execute()
-
-        raw, _ = await self._call(op)
+        raw = await self._reads.submit((entry_id, namespace))
         if not raw:
             return None
         entry = decode_entry(entry_id, raw, self._embedder)
@@ -288,6 +284,22 @@ class RedisStore:
                                           [repr(entry.created), self._embedder, vec, entry.id, self._me,
                                            self._maxlen]))
         return bool(done)
+
+    async def _read_batch(self, batch: list[tuple[str, str]]) -> list[Any]:
+        """Every read of a batch in one pipelined round trip, as the writes: concurrent
+        lookups (eight clients asking at once) would otherwise each pay a round trip and a
+        socket write on the event loop."""
+        async def op(r: aioredis.Redis) -> Any:
+            pipe = r.pipeline(transaction=False)
+            now = time.time()
+            for entry_id, namespace in batch:
+                pipe.hgetall(self._k("e:", entry_id))
+                # Touch recency in the same round trip; XX never resurrects a purged id.
+                pipe.zadd(self._k("ns:", namespace), {entry_id: now}, xx=True)
+            return await pipe.execute(raise_on_error=False)
+
+        replies = await self._call(op)
+        return [StoreUnavailable(repr(x)) if isinstance(x, Exception) else x for x in replies[0::2]]
 
     async def _write_batch(self, batch: list[_Eval]) -> list[Any]:
         """Every write of a batch in one pipelined round trip (no MULTI: each script is
@@ -427,6 +439,7 @@ class RedisStore:
     async def aclose(self) -> None:
         self._closed = True
         await self._writes.aclose()
+        await self._reads.aclose()
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.wait({self._probe}, timeout=2.0)
