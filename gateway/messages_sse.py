@@ -20,13 +20,12 @@ do, so metrics and routing feedback read the same on both routes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-import orjson
 
 from .errors import GatewayError
 from .messages_api import ANTHROPIC_SHAPE
-from .sse import StreamObserver, Usage, _event_data, _int_or_none
+from .sse import StreamObserver, Usage, _int_or_none
 
 __all__ = ["MessagesObserver", "WholeMessage", "anthropic_usage", "whole_message"]
 
@@ -45,6 +44,8 @@ def anthropic_usage(usage: Any) -> Usage | None:
 class MessagesObserver(StreamObserver):
     """``StreamObserver`` for Anthropic events: ``message_stop`` is the end, ``error`` a failure."""
 
+    DONE_MARKER: ClassVar[bytes | None] = None  # Anthropic streams end on message_stop
+
     def __init__(self) -> None:
         super().__init__("messages", strip_usage_chunk=False)
         # message_start carries the prompt, message_delta the totals (and vLLM's cache
@@ -59,19 +60,10 @@ class MessagesObserver(StreamObserver):
             self._usage_fields.update((k, v) for k, v in usage.items() if v is not None)
             self.usage = anthropic_usage(self._usage_fields)
 
-    def _keep(self, event: bytes) -> bool:
-        data = _event_data(event)
-        if data is None:  # comments, bare "event:" lines
-            return True
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
+    def _on_event(self, obj: dict[str, Any]) -> bool:
+        if not isinstance(obj.get("type"), str):
             self.failure = "upstream sent a malformed SSE event"
             return False
-        if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
-            self.failure = "upstream sent a malformed SSE event"
-            return False
-        self.events += 1
         kind = obj["type"]
         if kind == "error":
             err = obj.get("error")

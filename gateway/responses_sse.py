@@ -26,7 +26,7 @@ from typing import Any, Callable
 import orjson
 
 from .errors import GatewayError
-from .sse import StreamObserver, Usage, _event_data, _int_or_none
+from .sse import StreamObserver, Usage, _int_or_none
 
 __all__ = ["IdRewriter", "ResponsesObserver", "responses_usage"]
 
@@ -86,21 +86,7 @@ class ResponsesObserver(StreamObserver):
                    "sequence_number": self.sequence + 1}
         return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
 
-    def _keep(self, event: bytes) -> bool:
-        data = _event_data(event)
-        if data is None:
-            return True
-        if data == b"[DONE]":
-            self.done = True
-            return True
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            obj = None
-        if not isinstance(obj, dict):
-            self.failure = "upstream sent a malformed SSE event"
-            return False
-        self.events += 1
+    def _on_event(self, obj: dict[str, Any]) -> bool:
         seq = obj.get("sequence_number")
         if isinstance(seq, int) and not isinstance(seq, bool):
             self.sequence = seq

@@ -13,7 +13,7 @@ oversized event ends the relay; nothing from a bad stream is ever cached.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -48,6 +48,9 @@ def _int_or_none(v: Any) -> int | None:
 @dataclass(slots=True)
 class StreamObserver:
     """Feeds on upstream bytes, returns the bytes to forward to the client."""
+
+    # The data line that ends a stream (OpenAI's protocols); None: the protocol has none.
+    DONE_MARKER: ClassVar[bytes | None] = b"[DONE]"
 
     endpoint: str  # "chat" | "completions"
     strip_usage_chunk: bool
@@ -105,21 +108,26 @@ class StreamObserver:
             self.failure = "upstream closed the stream before it finished"
 
     def _keep(self, event: bytes) -> bool:
+        """Whether to forward ``event``: what carries no data passes, the done marker ends
+        the stream, each JSON object goes to ``_on_event``; anything else is malformed."""
         data = _event_data(event)
         if data is None:  # comments / keep-alives / non-data fields pass through
             return True
-        if data == b"[DONE]":
+        if data == self.DONE_MARKER:
             self.done = True
             return True
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
-            self.failure = "upstream sent a malformed SSE event"
-            return False
+            obj = None
         if not isinstance(obj, dict):
             self.failure = "upstream sent a malformed SSE event"
             return False
         self.events += 1
+        return self._on_event(obj)
+
+    def _on_event(self, obj: dict[str, Any]) -> bool:
+        """One event of the protocol (a chat or completions chunk here); whether to forward it."""
         if "error" in obj:
             self.upstream_error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             self.failure = "upstream reported an error mid-stream"

@@ -22,7 +22,7 @@ What the gateway calls:
 
 from __future__ import annotations
 
-from .base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy, load_now, load_of
+from .base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy, load_now
 from .boundary import strip_cache_control
 from .consistent_hash import ConsistentHash
 from .least_load import LeastLoad
@@ -32,7 +32,7 @@ from .round_robin import RoundRobin
 from .settings import RoutingSettings
 
 __all__ = [
-    "ReplicaView", "RouteFeedback", "RouteRequest", "RoutingPolicy", "RoutingSettings", "load_now", "load_of",
+    "ReplicaView", "RouteFeedback", "RouteRequest", "RoutingPolicy", "RoutingSettings", "load_now",
     "make_policy", "strip_cache_control", "resolve",
 ]
 

@@ -3,7 +3,7 @@
 Time to first token is set by the prefill queue, not by how many requests a
 replica is decoding: a replica running twenty short decodes starts a new
 prompt sooner than one that was just handed a 4,000-token prompt. Request
-counts (``load_of``) cannot tell these apart, and the scraped metrics are up
+counts cannot tell these apart, and the scraped metrics are up
 to a second old, so routing on them herds a burst of arrivals onto whichever
 replica looked emptiest at the last scrape.
 

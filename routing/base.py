@@ -38,17 +38,6 @@ def reported(replica: ReplicaView) -> float | None:
     return (replica.running or 0.0) + (replica.waiting or 0.0)
 
 
-def load_of(replica: ReplicaView) -> float:
-    """Load as every gateway instance sees it alike, plus our own not-yet-visible work.
-
-    The replica's own queue (running + waiting) is the shared view; our in-flight
-    count covers the second between scrapes. Taking the max (not the sum) avoids
-    counting the same requests twice once the scrape catches up. Routers that
-    must agree with other instances (bounded load) judge by this.
-    """
-    return max(reported(replica) or 0.0, float(replica.in_flight)) / replica.weight
-
-
 def load_now(replica: ReplicaView) -> float:
     """The replica's queue right now, as best this instance alone can tell (per unit weight).
 
@@ -57,8 +46,8 @@ def load_now(replica: ReplicaView) -> float:
     know exactly, now. So: others as last reported plus our in-flight now.
     Counting our arrivals *and completions* since the scrape is what keeps a
     burst from herding onto the replica whose stale figure looks lowest; but
-    it differs between instances, so only a router that need not agree with
-    others (least load) ranks by it.
+    it differs between instances; prefix affinity reads the others' part as
+    spread evenly (``routing.prefix_affinity._in_flight_now``).
     """
     queue = reported(replica)
     others = 0.0 if queue is None else max(0.0, queue - replica.in_flight_at_scrape)

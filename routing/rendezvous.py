@@ -23,10 +23,9 @@ from typing import Sequence, TypeVar
 
 import xxhash
 
-from .base import ReplicaView, load_of
+from .base import ReplicaView
 
-__all__ = ["replica_salt", "rendezvous_order", "within_bound", "split_by_load",
-           "first_choice"]
+__all__ = ["replica_salt", "rendezvous_order", "within_bound", "first_choice"]
 
 _xxh = xxhash.xxh3_64_intdigest
 _TWO64 = float(1 << 64)
@@ -71,7 +70,7 @@ def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: floa
                  floor: float = 0.0) -> list[bool]:
     """For each replica, whether one more request keeps it within the bound.
 
-    ``loads`` are weighted (requests per unit weight, as ``load_of``); the cap is
+    ``loads`` are weighted (requests per unit weight, as ``routing.base.load_now``); the cap is
     ceil((1 + epsilon) x mean load including this request x weight), but never
     below mean + ``floor``: at a handful of requests per replica, a difference
     of one or two is noise, not imbalance.
@@ -82,17 +81,3 @@ def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: floa
     mean = (sum(load * w for load, w in zip(loads, weights)) + 1.0) / total_weight
     return [load * w + 1.0 <= max(math.ceil(max((1.0 + epsilon) * mean * w, (mean + floor) * w) - 1e-9), 1)
             for load, w in zip(loads, weights)]
-
-
-def split_by_load(order: Sequence[R], epsilon: float,
-                  loads: Sequence[float] | None = None) -> tuple[list[R], list[R]]:
-    """(replicas within the load bound, in ``order``; the rest, least loaded first).
-
-    ``loads`` defaults to ``load_of`` of each replica (weighted, in requests).
-    """
-    if loads is None:
-        loads = [load_of(r) for r in order]
-    ok = within_bound(loads, [r.weight for r in order], epsilon)
-    inside = [r for r, fits in zip(order, ok) if fits]
-    over = sorted((i for i, fits in enumerate(ok) if not fits), key=lambda i: (loads[i], i))
-    return inside, [order[i] for i in over]

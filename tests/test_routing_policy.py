@@ -8,11 +8,11 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing import RouteFeedback, RouteRequest, RoutingSettings, load_now, load_of, make_policy
+from routing import RouteFeedback, RouteRequest, RoutingSettings, load_now, make_policy
 from routing.consistent_hash import ConsistentHash
 from routing.least_load import LeastLoad
 from routing.prefix_affinity import PrefixAffinity
-from routing.rendezvous import rendezvous_order, split_by_load
+from routing.rendezvous import rendezvous_order, within_bound
 from routing.round_robin import RoundRobin
 
 # The benchmark's replica view is the same fake of routing.base.ReplicaView.
@@ -119,14 +119,9 @@ def test_a_hot_shared_prefix_spreads_under_load() -> None:
     assert shed[home.name] < 400 / 8 / 2
 
 
-def test_bounded_load_split_keeps_order_and_sorts_the_rest_by_load() -> None:
-    replicas = fleet(4)
-    for r, load in zip(replicas, (10, 0, 9, 1)):
-        r.in_flight = load
-    inside, over = split_by_load(replicas, 0.25)
-    assert [r.name for r in inside] == ["r1", "r3"]
-    assert [r.name for r in over] == ["r2", "r0"]
-    assert load_of(View("x", weight=2.0, in_flight=4, running=6.0)) == 3.0
+def test_the_bound_and_the_load_it_reads() -> None:
+    # 20 in flight on 4 replicas plus this one: the cap is ceil(1.25 x 21 / 4) = 7.
+    assert within_bound([10, 0, 9, 1], [1, 1, 1, 1], 0.25) == [False, True, False, True]
     # Others' requests as last scraped, plus ours now (not ours twice).
     assert load_now(View("x", weight=2.0, in_flight=4, running=6.0, in_flight_at_scrape=4)) == 3.0
     assert load_now(View("x", weight=2.0, in_flight=1, running=6.0, in_flight_at_scrape=4)) == 1.5
