@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import httpx
@@ -143,7 +144,10 @@ def test_two_kvgates_sharing_redis_send_each_turn_where_the_first_went(redis_kin
         two = openai.OpenAI(base_url=second.url + "/v1", api_key="none", max_retries=0)
         b = second.config.app.state.runtime.policy
         # The second instance tails the stream from when it starts: wait until it hears.
-        assert _wait(lambda: _ask(one, 10_000, 1) and b.gossip.applied > 0)
+        # Each poll places a new conversation: a fact published before the tail started is
+        # not replayed, and a conversation already placed publishes nothing new.
+        fresh = itertools.count(10_000)
+        assert _wait(lambda: _ask(one, next(fresh), 1) and b.gossip.applied > 0)
         # The first instance has stopped sending to r1 (drained for it alone, say
         # after a failed health check): conversations that hash there go elsewhere.
         stack.runtime.pool.drain("r1")
