@@ -85,6 +85,10 @@ class RouteKey:
     # conversation's first turn learns it, so that its later turns, whose
     # context it is, follow the replica that served the first.
     capped: int
+    # The deepest wide cut (0 if none): a prefix carried by more than a replica's
+    # share of the traffic is on every replica that serves any of it, so every
+    # replica is credited with it (a system prompt in every request is warm everywhere).
+    shared: int = 0
 
 
 def analyse(request: RouteRequest, settings: RoutingSettings, chains: ChainCache | None = None) -> PrefixInfo:
@@ -204,7 +208,8 @@ class PrefixKeyer:
             end, cap = _context_ends(info.rendered, info.explicit, cuts[i])
             context = keys[i] if end is None else _prefix_id(info, end)
             # A later turn's context is its cap: hashed once.
-            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == cap else _prefix_id(info, cap))
+            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == cap else _prefix_id(info, cap),
+                              cuts[i - 1] if i else 0)
         if learn:
             request.scratch[_SCRATCH_KEY] = (self, chosen)
         return chosen

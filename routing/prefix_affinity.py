@@ -292,6 +292,10 @@ class PrefixAffinity:
                 held = max(held, float(route.cut) if held else float(context))
             elif i == 0:
                 held = max(held, presumed)
+            # A wide prefix is warm wherever any of its traffic went (``RouteKey.shared``):
+            # without this, the replicas this instance happened not to send it to looked
+            # cold for it, and a conversation's new turns crowded the ones it did.
+            held = max(held, float(route.shared))
             # Queued prefill: ours, and others' waiting requests weighed as average ones of ours (above).
             uncached.append(max(0.0, prompt - held) * scale)
         # Prefill that the best-placed replica would not need is paid once by this request
