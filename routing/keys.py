@@ -155,7 +155,8 @@ class PrefixKeyer:
         self.settings = settings
         self.popularity = Popularity(max(1000, settings.index_capacity // 4))
         self.chains = ChainCache()
-        self._positions = sampled_positions(settings.max_blocks) if layers_inside_messages else ()
+        self._sampled = sampled_positions(settings.max_blocks)
+        self._positions = self._sampled if layers_inside_messages else ()
         # First spans' sampled cuts and keys, by the chain hash that names the span (``_cuts``).
         self._inner: dict[int, tuple[list[int], list[int]]] = {}
 
@@ -165,7 +166,15 @@ class PrefixKeyer:
         that starts with it: found once per such prefix, named by its chain hash."""
         data, hashes, seed, block = info.rendered.data, info.hashes, info.seed, info.block
         spans, positions = info.rendered.spans, self._positions
-        inner = min(spans[0].end, info.limit) // block if positions and spans else 0
+        # A flat prompt (a completions prompt: no turns) has no message end before its own
+        # end: cut at message ends alone, its key would be all of it, so a new key and a new
+        # home at every turn of a conversation that grows by appending. Its sampled cuts find
+        # where the conversation starts (past a wide system prompt). Its first span is all
+        # of it, new every time, so its cuts are not kept.
+        flat = not any(s.role == "user" for s in spans)
+        if flat:
+            positions = self._sampled
+        inner = min(spans[0].end, info.limit) // block if positions and spans and not flat else 0
         if inner < _INNER_MIN_BLOCKS or any(c <= inner * block for c in info.explicit):
             cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions)
             return cuts, [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c)

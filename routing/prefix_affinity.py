@@ -262,8 +262,10 @@ class PrefixAffinity:
         # Replicas known to hold the key hold its prefix (another instance may have said
         # so, without the blocks); if none is, the home is presumed to (module doc).
         holders = self.index.holders(route.key)
+        # The context, what its client sent before: everything but the last message; a
+        # single span marks no turns, and a prompt grows by appending, so all of it.
         spans = info.rendered.spans
-        context = max(route.cut, spans[-1].start if len(spans) > 1 else 0)
+        context = max(route.cut, spans[-1].start if len(spans) > 1 else info.limit)
         share = 0.0 if holders else _others_share(order)
         presumed = context * share
         fleet_holds = any(precise.values())
@@ -273,6 +275,7 @@ class PrefixAffinity:
         astray = prompt * scale * share if not fleet_holds else 0.0
         ahead, uncached = [], []
         depths = self.index.depths(info.hashes, (1 << len(self.bits)) - 1) if info.hashes else {}
+        blind = max(depths.values(), default=0) * info.block <= route.cut
         for i, r in enumerate(order):
             ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical + (astray if i else 0.0))
             if r.name in precise and tokens:
@@ -287,9 +290,10 @@ class PrefixAffinity:
             bit = self.bits.get(r.name)
             held = float(depths.get(bit, 0) * info.block) if bit is not None else 0.0
             if bit is not None and holders >> bit & 1:
-                # Known to hold the key; known by its key alone (another instance's fact,
-                # no blocks recorded), it is presumed to hold the context, as a home is.
-                held = max(held, float(route.cut) if held else float(context))
+                # Known to hold the key. Where this instance knows nothing of the request
+                # past its key (the holder is another instance's fact), the holder is
+                # presumed to hold the context, as a home is; else its blocks say.
+                held = max(held, float(context) if blind else float(route.cut))
             elif i == 0:
                 held = max(held, presumed)
             # A wide prefix is warm wherever any of its traffic went (``RouteKey.shared``):
