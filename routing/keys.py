@@ -12,7 +12,9 @@ carrying more than ``hot_fraction / replicas`` of the requests:
 
 * a system prompt in every request (the Mooncake trace's first 512 tokens, an
   application's global instructions) is wide: the key goes past it, to the
-  conversation's first user turn, which stays constant for all its turns;
+  conversation's first user turn, which stays constant for all its turns (a
+  flat prompt, the Mooncake trace's, has no turns: it is cut at sampled
+  positions, and its key is where its conversation starts);
 * an organisation with a twelfth of the traffic is not wide: its twins share
   a home and meet its 16K tokens of policies, agent and tool schemas warm;
 * if every cut up to the cap is wide, the deepest one keys the request.
@@ -151,7 +153,8 @@ class PrefixKeyer:
         """``layers_inside_messages``: also cut at sampled block positions, to find layers
         nobody declared inside one message (an organisation's policies inside a long
         system prompt). A policy that finds shared blocks through its index needs only
-        message ends and explicit boundaries."""
+        message ends and explicit boundaries; a flat prompt, which has no message end
+        short of its own end, is cut at sampled positions either way (``_cuts``)."""
         self.settings = settings
         self.popularity = Popularity(max(1000, settings.index_capacity // 4))
         self.chains = ChainCache()
