@@ -12,7 +12,9 @@ carrying more than ``hot_fraction / replicas`` of the requests:
 
 * a system prompt in every request (the Mooncake trace's first 512 tokens, an
   application's global instructions) is wide: the key goes past it, to the
-  conversation's first user turn, which stays constant for all its turns;
+  conversation's first user turn, which stays constant for all its turns (a
+  flat prompt, the Mooncake trace's, has no turns: it is cut at sampled
+  positions, and its key is where its conversation starts);
 * an organisation with a twelfth of the traffic is not wide: its twins share
   a home and meet its 16K tokens of policies, agent and tool schemas warm;
 * if every cut up to the cap is wide, the deepest one keys the request.
@@ -151,11 +153,13 @@ class PrefixKeyer:
         """``layers_inside_messages``: also cut at sampled block positions, to find layers
         nobody declared inside one message (an organisation's policies inside a long
         system prompt). A policy that finds shared blocks through its index needs only
-        message ends and explicit boundaries."""
+        message ends and explicit boundaries; a flat prompt, which has no message end
+        short of its own end, is cut at sampled positions either way (``_cuts``)."""
         self.settings = settings
         self.popularity = Popularity(max(1000, settings.index_capacity // 4))
         self.chains = ChainCache()
-        self._positions = sampled_positions(settings.max_blocks) if layers_inside_messages else ()
+        self._sampled = sampled_positions(settings.max_blocks)
+        self._positions = self._sampled if layers_inside_messages else ()
         # First spans' sampled cuts and keys, by the chain hash that names the span (``_cuts``).
         self._inner: dict[int, tuple[list[int], list[int]]] = {}
 
@@ -165,7 +169,15 @@ class PrefixKeyer:
         that starts with it: found once per such prefix, named by its chain hash."""
         data, hashes, seed, block = info.rendered.data, info.hashes, info.seed, info.block
         spans, positions = info.rendered.spans, self._positions
-        inner = min(spans[0].end, info.limit) // block if positions and spans else 0
+        # A flat prompt (a completions prompt: no turns) has no message end before its own
+        # end: cut at message ends alone, its key would be all of it, so a new key and a new
+        # home at every turn of a conversation that grows by appending. Its sampled cuts find
+        # where the conversation starts (past a wide system prompt). Its first span is all
+        # of it, new every time, so its cuts are not kept.
+        flat = not any(s.role == "user" for s in spans)
+        if flat:
+            positions = self._sampled
+        inner = min(spans[0].end, info.limit) // block if positions and spans and not flat else 0
         if inner < _INNER_MIN_BLOCKS or any(c <= inner * block for c in info.explicit):
             cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions)
             return cuts, [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c)

@@ -58,8 +58,10 @@ agree, so two rules make it hold:
 
 * *presumed there*: when this instance knows of no replica holding the key, the
   home is presumed to hold the request's context (everything before its last
-  message) with the chance that another instance sent it there: the others'
-  share of the queues the replicas report, none for a lone instance;
+  message; all of a flat prompt, which marks no turns) with the chance that
+  another instance sent it there: the others' share of the queues the replicas
+  report, none for a lone instance; a holder known only from another
+  instance's fact is presumed to hold it too;
 * *leaving it costs*: a key with no known holder placed anywhere else costs, on
   top, its whole prompt times that same share: the other instances will send
   its next request home, which then prefills it all again. One next request is
@@ -128,10 +130,10 @@ class PrefixAffinity:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings or RoutingSettings()
         # The key orders ties and names the home that instances sharing nothing agree on. Cut
-        # at message ends and explicit boundaries only: cuts inside messages too (the
-        # sampled block positions) found shared layers inside one message (Mooncake, 3 min:
-        # hit .136 against .125; 4 instances .099 against .102) at about 80 us a request
-        # with a 4K-token system prompt, most of issue 15's 100 us budget.
+        # at message ends and explicit boundaries only (a flat prompt, which has none, at
+        # sampled positions: routing.keys): cuts inside messages too found shared layers
+        # inside one message at about 80 us a request with a 4K-token system prompt, most
+        # of issue 15's 100 us budget, and the index finds those blocks anyway.
         self.keyer = PrefixKeyer(self.settings, layers_inside_messages=False)
         self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks, tails=True)
         self.bits = ReplicaBits()
@@ -262,8 +264,10 @@ class PrefixAffinity:
         # Replicas known to hold the key hold its prefix (another instance may have said
         # so, without the blocks); if none is, the home is presumed to (module doc).
         holders = self.index.holders(route.key)
+        # The context, what its client sent before: everything but the last message; a
+        # single span marks no turns, and a prompt grows by appending, so all of it.
         spans = info.rendered.spans
-        context = max(route.cut, spans[-1].start if len(spans) > 1 else 0)
+        context = max(route.cut, spans[-1].start if len(spans) > 1 else info.limit)
         share = 0.0 if holders else _others_share(order)
         presumed = context * share
         fleet_holds = any(precise.values())
@@ -273,6 +277,9 @@ class PrefixAffinity:
         astray = prompt * scale * share if not fleet_holds else 0.0
         ahead, uncached = [], []
         depths = self.index.depths(info.hashes, (1 << len(self.bits)) - 1) if info.hashes else {}
+        # Knows nothing of the request past its key: only then can another instance's fact
+        # (share_index) say more than this instance's own blocks.
+        blind = self.gossip is not None and max(depths.values(), default=0) * info.block <= route.cut
         for i, r in enumerate(order):
             ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical + (astray if i else 0.0))
             if r.name in precise and tokens:
@@ -287,9 +294,11 @@ class PrefixAffinity:
             bit = self.bits.get(r.name)
             held = float(depths.get(bit, 0) * info.block) if bit is not None else 0.0
             if bit is not None and holders >> bit & 1:
-                # Known to hold the key; known by its key alone (another instance's fact,
-                # no blocks recorded), it is presumed to hold the context, as a home is.
-                held = max(held, float(route.cut) if held else float(context))
+                # Known to hold the key; known by its key alone (no blocks recorded, or
+                # another instance's fact where this instance knows nothing past the key:
+                # a shared system prompt is no knowledge), it is presumed to hold the
+                # context, as a home is.
+                held = max(held, float(context) if blind or not held else float(route.cut))
             elif i == 0:
                 held = max(held, presumed)
             # A wide prefix is warm wherever any of its traffic went (``RouteKey.shared``):

@@ -138,6 +138,31 @@ def test_instances_that_share_nothing_agree_where_a_new_conversation_lives() -> 
         assert served(b, conversation(c, 4, ORG), replicas_b).name == first
 
 
+def flat(c: int, turns: int) -> RouteRequest:
+    """A completions conversation (no messages): a system prompt in every request, then turns appended."""
+    text = ORG + "".join(f"conversation {c} turn {t}: " + f"c{c}t{t} words " * 120 for t in range(turns))
+    return RouteRequest("completions", "m", "t", {"model": "m", "prompt": text})
+
+
+def test_a_flat_prompts_turns_keep_one_key_and_instances_that_share_nothing_agree_on_it() -> None:
+    # A flat prompt has no message end before its own end: its key is where its
+    # conversation starts (past the system prompt every request carries), not all of it,
+    # so its later turns keep its key and its home.
+    clock = Clock()
+    a, b = PrefixAffinity(clock=clock), PrefixAffinity(clock=clock)
+    replicas_a, replicas_b = ([View(f"r{i}", running=4.0, waiting=0.0) for i in range(8)] for _ in range(2))
+    for c in range(1000, 1020):  # each instance sees the system prompt in every request
+        served(a, flat(c, 1), replicas_a)
+        served(b, flat(c, 1), replicas_b)
+    keys = [a.keyer.key_for(flat(7, t), 8, learn=False) for t in (1, 2, 5)]
+    assert len({k.key for k in keys}) == 1 and len(ORG) < keys[0].cut < len(flat(7, 1).body["prompt"])
+    for c in range(40):
+        clock.t += 1.0
+        first = served(a, flat(c, 1), replicas_a).name
+        assert served(b, flat(c, 2), replicas_b).name == first
+        assert served(b, flat(c, 4), replicas_b).name == first
+
+
 def test_two_instances_fed_the_same_facts_agree_on_every_decision() -> None:
     rng = random.Random(5)
     clock = Clock()
