@@ -64,9 +64,13 @@ def explicit_cuts(rendered: Rendered, marker: str, hint: str | None, ends: Seque
     """Client-declared boundaries (marker ends, breakpoints, header), sorted, deduplicated.
 
     ``ends``: the marker's ends in the stream when already known (``marker_ends``)."""
-    cuts: set[int] = set(rendered.breakpoints)
+    found: Sequence[int] = ()
     if marker:
-        cuts.update(marker_ends(rendered.data, marker.encode("utf-8", "surrogatepass")) if ends is None else ends)
+        found = marker_ends(rendered.data, marker.encode("utf-8", "surrogatepass")) if ends is None else ends
+    if not found and not rendered.breakpoints and hint is None:
+        return []  # most requests declare nothing
+    cuts: set[int] = set(rendered.breakpoints)
+    cuts.update(found)
     n = parse_boundary_hint(hint)
     if n is not None:
         messages = _message_spans(rendered)
@@ -104,7 +108,8 @@ def stable_cap(rendered: Rendered, explicit: list[int]) -> int:
 
 
 def candidate_cuts(
-    rendered: Rendered, explicit: list[int], limit: int, block: int, positions: Sequence[int], after: int = 0
+    rendered: Rendered, explicit: list[int], limit: int, block: int, positions: Sequence[int], after: int = 0,
+    cap: int | None = None,
 ) -> list[int]:
     """Offsets a routing level may end at, ascending, up to the cap.
 
@@ -113,8 +118,9 @@ def candidate_cuts(
     block index samples them) find boundaries nobody declared, such as where
     one organisation's policies end inside a long system prompt. ``limit`` is
     the number of bytes covered by hashes (``max_blocks``). Only cuts past ``after``.
+    ``cap``: ``stable_cap(rendered, explicit)`` when the caller has it already.
     """
-    cap = min(stable_cap(rendered, explicit), limit)
+    cap = min(stable_cap(rendered, explicit) if cap is None else cap, limit)
     cuts = {s.end for s in rendered.spans if after < s.end <= cap}
     cuts.update(c for c in explicit if after < c <= cap)
     for p in positions[bisect_right(positions, after // block - 1): bisect_right(positions, cap // block - 1)]:

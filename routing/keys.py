@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -60,18 +60,19 @@ _INNER_CAPACITY = 4096
 _xxh = xxhash.xxh3_64_intdigest
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixInfo:
+# Named tuples rather than frozen dataclasses: both are made for every request, and a
+# frozen dataclass costs three times as much to build.
+class PrefixInfo(NamedTuple):
     rendered: Rendered
     seed: int
     hashes: list[int]
     explicit: list[int]
     limit: int  # bytes a key may cover (hashed blocks, plus a partial last block)
     block: int
+    cap: int  # where the prefix the request keeps for life ends (``boundary.stable_cap``)
 
 
-@dataclass(frozen=True, slots=True)
-class RouteKey:
+class RouteKey(NamedTuple):
     key: int  # hash of the exact prefix data[:cut]
     cut: int  # bytes of prefix the key covers
     wide: int  # how many shallower cuts were wide (0: the first cut keys the request)
@@ -111,7 +112,7 @@ def analyse(request: RouteRequest, settings: RoutingSettings, chains: ChainCache
         hashes, ends = chains.analyse(rendered.data, seed, block, settings.max_blocks, rendered.spans, marker)
     limit = len(rendered.data) if len(rendered.data) // block <= len(hashes) else len(hashes) * block
     explicit = explicit_cuts(rendered, settings.boundary_marker, request.boundary_hint, ends)
-    info = PrefixInfo(rendered, seed, hashes, explicit, limit, block)
+    info = PrefixInfo(rendered, seed, hashes, explicit, limit, block, stable_cap(rendered, explicit))
     request.scratch[_SCRATCH_INFO] = (tag, info)
     return info
 
@@ -130,18 +131,17 @@ def _prefix_id(info: PrefixInfo, end: int) -> int:
     return _xxh(memoryview(data)[:end], info.seed ^ _PREFIX_ID_SALT)
 
 
-def _context_ends(rendered: Rendered, explicit: list[int], cut: int) -> tuple[int | None, int]:
-    """(end of the request's stable context if as deep as ``cut``, else None; end of its cap).
+def _context_end(info: PrefixInfo, cut: int) -> int | None:
+    """The end of the request's stable context if as deep as ``cut``, else None.
 
     A context as deep as the key gets its own identity all the same: the key's
     depth moves with popularity, and a context must keep one name throughout.
     """
-    cap = stable_cap(rendered, explicit)
-    spans = rendered.spans
+    spans = info.rendered.spans
     if len(spans) < 2:
-        return None, cap
-    within = min(cap, spans[-1].start)  # the last message is what changes
-    return max((s.end for s in spans if cut <= s.end <= within), default=None), cap
+        return None
+    within = min(info.cap, spans[-1].start)  # the last message is what changes
+    return max((s.end for s in spans if cut <= s.end <= within), default=None)
 
 
 class PrefixKeyer:
@@ -167,7 +167,7 @@ class PrefixKeyer:
         spans, positions = info.rendered.spans, self._positions
         inner = min(spans[0].end, info.limit) // block if positions and spans else 0
         if inner < _INNER_MIN_BLOCKS or any(c <= inner * block for c in info.explicit):
-            cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions)
+            cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions, cap=info.cap)
             return cuts, [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c)
                           for c in cuts]
         got = self._inner.get(hashes[inner - 1])
@@ -177,7 +177,8 @@ class PrefixKeyer:
             sampled = positions[: bisect_right(positions, inner - 1)]
             got = self._inner[hashes[inner - 1]] = ([(p + 1) * block for p in sampled], [hashes[p] for p in sampled])
         inner_cuts, inner_keys = got
-        rest = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions, after=inner_cuts[-1])
+        rest = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions, after=inner_cuts[-1],
+                              cap=info.cap)
         return inner_cuts + rest, inner_keys + [
             hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c) for c in rest]
 
@@ -196,7 +197,6 @@ class PrefixKeyer:
         wide_share = self.settings.hot_fraction / n
         window = max(64, math.ceil(_WIDE_MIN_COUNT / wide_share))
         cuts, keys = self._cuts(info)
-        chosen = RouteKey(info.seed, 0, 0, info.seed, info.seed)
         if learn:
             # Every cut is counted, not only the walked ones: a deeper prefix's share
             # must be known from the start, or it would lag behind its parent's.
@@ -205,11 +205,13 @@ class PrefixKeyer:
         else:
             i = self.popularity.first_narrow(keys, window, wide_share, record=False)
         if keys:
-            end, cap = _context_ends(info.rendered, info.explicit, cuts[i])
+            end = _context_end(info, cuts[i])
             context = keys[i] if end is None else _prefix_id(info, end)
             # A later turn's context is its cap: hashed once.
-            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == cap else _prefix_id(info, cap),
+            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == info.cap else _prefix_id(info, info.cap),
                               cuts[i - 1] if i else 0)
+        else:
+            chosen = RouteKey(info.seed, 0, 0, info.seed, info.seed)
         if learn:
             request.scratch[_SCRATCH_KEY] = (self, chosen)
         return chosen
