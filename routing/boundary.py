@@ -108,8 +108,7 @@ def stable_cap(rendered: Rendered, explicit: list[int]) -> int:
 
 
 def candidate_cuts(
-    rendered: Rendered, explicit: list[int], limit: int, block: int, positions: Sequence[int], after: int = 0,
-    cap: int | None = None,
+    rendered: Rendered, explicit: list[int], limit: int, block: int, positions: Sequence[int], after: int = 0
 ) -> list[int]:
     """Offsets a routing level may end at, ascending, up to the cap.
 
@@ -118,9 +117,8 @@ def candidate_cuts(
     block index samples them) find boundaries nobody declared, such as where
     one organisation's policies end inside a long system prompt. ``limit`` is
     the number of bytes covered by hashes (``max_blocks``). Only cuts past ``after``.
-    ``cap``: ``stable_cap(rendered, explicit)`` when the caller has it already.
     """
-    cap = min(stable_cap(rendered, explicit) if cap is None else cap, limit)
+    cap = min(stable_cap(rendered, explicit), limit)
     cuts = {s.end for s in rendered.spans if after < s.end <= cap}
     cuts.update(c for c in explicit if after < c <= cap)
     for p in positions[bisect_right(positions, after // block - 1): bisect_right(positions, cap // block - 1)]:

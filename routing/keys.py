@@ -17,12 +17,6 @@ carrying more than ``hot_fraction / replicas`` of the requests:
   a home and meet its 16K tokens of policies, agent and tool schemas warm;
 * if every cut up to the cap is wide, the deepest one keys the request.
 
-Below the key, ``RouteKey.context`` names what one client keeps sending: the
-request's whole stable part (up to the end of its next-to-last message). A
-digital twin under its organisation's key has its own context; bounded load
-sheds, and the block index follows, by context, so twins of one organisation
-spread a few at a time and each stays warm where it went.
-
 Shares are learned per instance (``routing.hotness``); a prefix in every
 request or in one conversation is classified the same way everywhere, which is
 all instances need to agree. The threshold is a whole replica's share of
@@ -39,7 +33,7 @@ import xxhash
 
 from .base import RouteRequest
 from .block_index import sampled_positions
-from .boundary import candidate_cuts, explicit_cuts, stable_cap
+from .boundary import candidate_cuts, explicit_cuts
 from .chains import ChainCache
 from .hashing import Rendered, chain_hashes, cut_hash, prefix_seed, render
 from .hotness import Popularity
@@ -52,7 +46,6 @@ _SCRATCH_KEY = "kvgate.key"
 # A prefix must be seen this many times within the window before it can be
 # wide: a burst of turns from one conversation never qualifies.
 _WIDE_MIN_COUNT = 8
-_PREFIX_ID_SALT = 0x636F6E7465787431
 # A first span this many blocks long has its sampled cuts kept (shorter: cheaper to redo),
 # for this many distinct first spans (then forgotten at once: they are recomputed cheaply).
 _INNER_MIN_BLOCKS = 16
@@ -69,23 +62,12 @@ class PrefixInfo(NamedTuple):
     explicit: list[int]
     limit: int  # bytes a key may cover (hashed blocks, plus a partial last block)
     block: int
-    cap: int  # where the prefix the request keeps for life ends (``boundary.stable_cap``)
 
 
 class RouteKey(NamedTuple):
     key: int  # hash of the exact prefix data[:cut]
     cut: int  # bytes of prefix the key covers
     wide: int  # how many shallower cuts were wide (0: the first cut keys the request)
-    # The request's whole stable context: the prefix up to the end of its
-    # next-to-last message (within the cap) when that is at least as deep as
-    # the key, else the key. One digital twin below its organisation's key; a
-    # conversation's first turn (its key already). What one client keeps
-    # sending, so bounded load sheds, and the index follows, by it.
-    context: int
-    # The prefix up to the cap (the first user turn and all before it): a
-    # conversation's first turn learns it, so that its later turns, whose
-    # context it is, follow the replica that served the first.
-    capped: int
     # The deepest wide cut (0 if none): a prefix carried by more than a replica's
     # share of the traffic is on every replica that serves any of it, so every
     # replica is credited with it (a system prompt in every request is warm everywhere).
@@ -112,36 +94,9 @@ def analyse(request: RouteRequest, settings: RoutingSettings, chains: ChainCache
         hashes, ends = chains.analyse(rendered.data, seed, block, settings.max_blocks, rendered.spans, marker)
     limit = len(rendered.data) if len(rendered.data) // block <= len(hashes) else len(hashes) * block
     explicit = explicit_cuts(rendered, settings.boundary_marker, request.boundary_hint, ends)
-    info = PrefixInfo(rendered, seed, hashes, explicit, limit, block, stable_cap(rendered, explicit))
+    info = PrefixInfo(rendered, seed, hashes, explicit, limit, block)
     request.scratch[_SCRATCH_INFO] = (tag, info)
     return info
-
-
-def _prefix_id(info: PrefixInfo, end: int) -> int:
-    """An identity for ``data[:end]``, however long, apart from the keys (its own salt).
-
-    Within the hashed blocks the chain already names the prefix: its hash at the
-    last full block, continued over the partial one, costs one short xxh3 instead
-    of a pass over the whole prefix. Past ``max_blocks``, one pass over the bytes.
-    """
-    data = info.rendered.data
-    if end // info.block <= len(info.hashes):
-        name = cut_hash(data, info.hashes, info.seed, info.block, end)
-        return _xxh(name.to_bytes(8, "little"), _PREFIX_ID_SALT)
-    return _xxh(memoryview(data)[:end], info.seed ^ _PREFIX_ID_SALT)
-
-
-def _context_end(info: PrefixInfo, cut: int) -> int | None:
-    """The end of the request's stable context if as deep as ``cut``, else None.
-
-    A context as deep as the key gets its own identity all the same: the key's
-    depth moves with popularity, and a context must keep one name throughout.
-    """
-    spans = info.rendered.spans
-    if len(spans) < 2:
-        return None
-    within = min(info.cap, spans[-1].start)  # the last message is what changes
-    return max((s.end for s in spans if cut <= s.end <= within), default=None)
 
 
 class PrefixKeyer:
@@ -167,7 +122,7 @@ class PrefixKeyer:
         spans, positions = info.rendered.spans, self._positions
         inner = min(spans[0].end, info.limit) // block if positions and spans else 0
         if inner < _INNER_MIN_BLOCKS or any(c <= inner * block for c in info.explicit):
-            cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions, cap=info.cap)
+            cuts = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions)
             return cuts, [hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c)
                           for c in cuts]
         got = self._inner.get(hashes[inner - 1])
@@ -177,8 +132,7 @@ class PrefixKeyer:
             sampled = positions[: bisect_right(positions, inner - 1)]
             got = self._inner[hashes[inner - 1]] = ([(p + 1) * block for p in sampled], [hashes[p] for p in sampled])
         inner_cuts, inner_keys = got
-        rest = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions, after=inner_cuts[-1],
-                              cap=info.cap)
+        rest = candidate_cuts(info.rendered, info.explicit, info.limit, block, positions, after=inner_cuts[-1])
         return inner_cuts + rest, inner_keys + [
             hashes[c // block - 1] if c % block == 0 else cut_hash(data, hashes, seed, block, c) for c in rest]
 
@@ -204,14 +158,7 @@ class PrefixKeyer:
             self.popularity.tick()
         else:
             i = self.popularity.first_narrow(keys, window, wide_share, record=False)
-        if keys:
-            end = _context_end(info, cuts[i])
-            context = keys[i] if end is None else _prefix_id(info, end)
-            # A later turn's context is its cap: hashed once.
-            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == info.cap else _prefix_id(info, info.cap),
-                              cuts[i - 1] if i else 0)
-        else:
-            chosen = RouteKey(info.seed, 0, 0, info.seed, info.seed)
+        chosen = RouteKey(keys[i], cuts[i], i, cuts[i - 1] if i else 0) if keys else RouteKey(info.seed, 0, 0)
         if learn:
             request.scratch[_SCRATCH_KEY] = (self, chosen)
         return chosen

@@ -162,13 +162,11 @@ class PrefixAffinity:
         mark = request.scratch.pop(_MARK, None)
         if mark is not None:
             self.backlog.done(mark[0], mark[1])
-        if not feedback.ok:
-            return
+        if not feedback.ok or request.scratch.get(_SENT) == feedback.replica:
+            return  # nothing learned, or recorded when it was sent there
         info = analyse(request, self.settings, self.keyer.chains)
         if not info.hashes:
             return
-        if request.scratch.get(_SENT) == feedback.replica:
-            return  # recorded when it was sent there
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
         bit = self.bits.bit_for(feedback.replica, self.index)
         if self.gossip is not None and not self.index.holders(route.key) >> bit & 1:
