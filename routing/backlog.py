@@ -20,7 +20,7 @@ waiting requests stand in for everyone else's (``routing.prefix_affinity``).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 __all__ = ["Backlog", "CHARS_PER_TOKEN"]
 
@@ -48,6 +48,16 @@ class Backlog:
         if left is None:
             return 0.0
         return max(0.0, left - (self._clock() - self._at[name]) * self._rate)
+
+    def queued(self, names: Iterable[str]) -> list[float]:
+        """``get`` of each of ``names``, read at one instant (one clock read a decision)."""
+        now, rate = self._clock(), self._rate
+        tokens, at = self._tokens, self._at
+        out = []
+        for name in names:
+            left = tokens.get(name)
+            out.append(0.0 if left is None else max(0.0, left - (now - at[name]) * rate))
+        return out
 
     def add(self, name: str, tokens: float) -> float:
         """Queue ``tokens`` on ``name``; returns the request's mark (for ``done``)."""

@@ -47,7 +47,7 @@ def load_now(replica: ReplicaView) -> float:
     Counting our arrivals *and completions* since the scrape is what keeps a
     burst from herding onto the replica whose stale figure looks lowest; but
     it differs between instances; prefix affinity reads the others' part as
-    spread evenly (``routing.prefix_affinity._in_flight_now``).
+    spread evenly (``routing.prefix_affinity._load_view``).
     """
     queue = reported(replica)
     others = 0.0 if queue is None else max(0.0, queue - replica.in_flight_at_scrape)

@@ -138,13 +138,15 @@ class BlockIndex:
         Binary search for the last sampled position any of ``among`` holds; no
         side effects (a lookup does not refresh recency: only serving does).
         """
-        mask_of = self._mask
+        young, old = self._young, self._old
         positions = self._positions
-        lo, hi = 0, self._upto(len(hashes))
+        lo, hi = 0, bisect_right(positions, len(hashes) - 1)
         best_pos, best_mask = -1, 0
         while lo < hi:
             mid = (lo + hi) // 2
-            mask = mask_of(hashes[positions[mid]]) & among
+            h = hashes[positions[mid]]
+            mask = young.get(h)  # ``_mask``, inlined (as in ``_last_held``)
+            mask = (old.get(h, 0) if mask is None else mask) & among
             if mask:
                 best_pos, best_mask = positions[mid], mask
                 lo = mid + 1
@@ -156,7 +158,9 @@ class BlockIndex:
         lo, hi = best_pos + 1, min(positions[lo] if lo < len(positions) else len(hashes), len(hashes))
         while lo < hi:
             mid = (lo + hi) // 2
-            mask = mask_of(hashes[mid]) & among
+            h = hashes[mid]
+            mask = young.get(h)
+            mask = (old.get(h, 0) if mask is None else mask) & among
             if mask:
                 best_pos, best_mask = mid, mask
                 lo = mid + 1
@@ -202,20 +206,25 @@ class BlockIndex:
         Each bit is held on a prefix of ``at`` (monotone): bisect, but only where the
         masks at the two ends of an interval differ.
         """
-        mask_of = self._mask
+        young, old = self._young, self._old
         out: dict[int, int] = {}
-        stack = [(lo, hi, among, 0)]  # at[lo:hi] unknown; ``above``: the mask before it, ``below``: after
+        # at[lo:hi] unknown; ``above``: the mask before it, ``below``: after. An interval
+        # whose ends agree holds nothing to find: it is never pushed.
+        stack = [(lo, hi, among, 0)] if among else []
+        pop, push = stack.pop, stack.append
         while stack:
-            lo, hi, above, below = stack.pop()
-            if above == below:
-                continue
+            lo, hi, above, below = pop()
             if lo >= hi:
                 out[lo - 1] = out.get(lo - 1, 0) | (above & ~below)
                 continue
             mid = (lo + hi) // 2
-            m = mask_of(hashes[at[mid]]) & above
-            stack.append((lo, mid, above, m))
-            stack.append((mid + 1, hi, m, below))
+            h = hashes[at[mid]]
+            m = young.get(h)  # ``_mask``, inlined: the probes are most of a lookup's cost
+            m = (old.get(h, 0) if m is None else m) & above
+            if m != above:
+                push((lo, mid, above, m))
+            if m != below:
+                push((mid + 1, hi, m, below))
         return out
 
 

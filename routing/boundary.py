@@ -64,9 +64,13 @@ def explicit_cuts(rendered: Rendered, marker: str, hint: str | None, ends: Seque
     """Client-declared boundaries (marker ends, breakpoints, header), sorted, deduplicated.
 
     ``ends``: the marker's ends in the stream when already known (``marker_ends``)."""
-    cuts: set[int] = set(rendered.breakpoints)
+    found: Sequence[int] = ()
     if marker:
-        cuts.update(marker_ends(rendered.data, marker.encode("utf-8", "surrogatepass")) if ends is None else ends)
+        found = marker_ends(rendered.data, marker.encode("utf-8", "surrogatepass")) if ends is None else ends
+    if not found and not rendered.breakpoints and hint is None:
+        return []  # most requests declare nothing
+    cuts: set[int] = set(rendered.breakpoints)
+    cuts.update(found)
     n = parse_boundary_hint(hint)
     if n is not None:
         messages = _message_spans(rendered)

@@ -70,26 +70,29 @@ class ChainCache:
         """
         self.calls += 1
         n = min(len(data) // block, max_blocks)
-        ends = sorted({min(e // block, n) for e in _boundaries(spans)}, reverse=True)
-        ends = [e for e in ends if e >= _MIN_BLOCKS]
+        ends = [e for e in _boundaries(spans, block, n) if e >= _MIN_BLOCKS]
         if not ends:
             return chain_hashes(data, seed, block, max_blocks), marker_ends(data, marker)
         view = memoryview(data)
         keys = [(seed, e, _digest(view[: e * block])) for e in ends]
-        known = next(((k, got) for k in keys if (got := self._entries.get(k)) is not None), None)
-        if known is None:
+        entries = self._entries
+        for key in keys:
+            got = entries.get(key)
+            if got is not None:
+                break
+        if got is None:
             self.misses += 1
             out = chain_hashes(data, seed, block, max_blocks)
             found = marker_ends(data, marker)
         else:
             self.hits += 1
-            key, (prefix, inside) = known
-            self._entries.move_to_end(key)
+            prefix, inside = got
+            entries.move_to_end(key)
             out = prefix + chain_hashes(data, prefix[-1], block, max_blocks, start=len(prefix))
             # A marker may straddle the prefix's end: search from one marker's length before it.
             found = list(inside) + marker_ends(data, marker, max(0, key[1] * block - len(marker) + 1))
         for k in keys:
-            if k not in self._entries:
+            if k not in entries:
                 end = k[1] * block
                 self._store(k, out[: k[1]], tuple(e for e in found if e <= end))
         return out, found
@@ -103,9 +106,10 @@ class ChainCache:
             self._held -= len(gone)
 
 
-def _boundaries(spans: Sequence[Span]) -> list[int]:
-    """The first span's end and the end of everything before the last span."""
+def _boundaries(spans: Sequence[Span], block: int, n: int) -> tuple[int, ...]:
+    """In blocks, deepest first and distinct: the end of everything before the last span
+    and the first span's end (none for a single span)."""
     if len(spans) < 2:
-        return []
-    return [spans[0].end, spans[-2].end]
-
+        return ()
+    first, context = min(spans[0].end // block, n), min(spans[-2].end // block, n)
+    return (context, first) if context > first else (first,)  # spans are in order: context >= first

@@ -19,12 +19,6 @@ carrying more than ``hot_fraction / replicas`` of the requests:
   a home and meet its 16K tokens of policies, agent and tool schemas warm;
 * if every cut up to the cap is wide, the deepest one keys the request.
 
-Below the key, ``RouteKey.context`` names what one client keeps sending: the
-request's whole stable part (up to the end of its next-to-last message). A
-digital twin under its organisation's key has its own context; bounded load
-sheds, and the block index follows, by context, so twins of one organisation
-spread a few at a time and each stays warm where it went.
-
 Shares are learned per instance (``routing.hotness``); a prefix in every
 request or in one conversation is classified the same way everywhere, which is
 all instances need to agree. The threshold is a whole replica's share of
@@ -35,13 +29,13 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
 from .base import RouteRequest
 from .block_index import sampled_positions
-from .boundary import candidate_cuts, explicit_cuts, stable_cap
+from .boundary import candidate_cuts, explicit_cuts
 from .chains import ChainCache
 from .hashing import Rendered, chain_hashes, cut_hash, prefix_seed, render
 from .hotness import Popularity
@@ -54,7 +48,6 @@ _SCRATCH_KEY = "kvgate.key"
 # A prefix must be seen this many times within the window before it can be
 # wide: a burst of turns from one conversation never qualifies.
 _WIDE_MIN_COUNT = 8
-_PREFIX_ID_SALT = 0x636F6E7465787431
 # A first span this many blocks long has its sampled cuts kept (shorter: cheaper to redo),
 # for this many distinct first spans (then forgotten at once: they are recomputed cheaply).
 _INNER_MIN_BLOCKS = 16
@@ -62,8 +55,9 @@ _INNER_CAPACITY = 4096
 _xxh = xxhash.xxh3_64_intdigest
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixInfo:
+# Named tuples rather than frozen dataclasses: both are made for every request, and a
+# frozen dataclass costs three times as much to build.
+class PrefixInfo(NamedTuple):
     rendered: Rendered
     seed: int
     hashes: list[int]
@@ -72,21 +66,10 @@ class PrefixInfo:
     block: int
 
 
-@dataclass(frozen=True, slots=True)
-class RouteKey:
+class RouteKey(NamedTuple):
     key: int  # hash of the exact prefix data[:cut]
     cut: int  # bytes of prefix the key covers
     wide: int  # how many shallower cuts were wide (0: the first cut keys the request)
-    # The request's whole stable context: the prefix up to the end of its
-    # next-to-last message (within the cap) when that is at least as deep as
-    # the key, else the key. One digital twin below its organisation's key; a
-    # conversation's first turn (its key already). What one client keeps
-    # sending, so bounded load sheds, and the index follows, by it.
-    context: int
-    # The prefix up to the cap (the first user turn and all before it): a
-    # conversation's first turn learns it, so that its later turns, whose
-    # context it is, follow the replica that served the first.
-    capped: int
     # The deepest wide cut (0 if none): a prefix carried by more than a replica's
     # share of the traffic is on every replica that serves any of it, so every
     # replica is credited with it (a system prompt in every request is warm everywhere).
@@ -116,34 +99,6 @@ def analyse(request: RouteRequest, settings: RoutingSettings, chains: ChainCache
     info = PrefixInfo(rendered, seed, hashes, explicit, limit, block)
     request.scratch[_SCRATCH_INFO] = (tag, info)
     return info
-
-
-def _prefix_id(info: PrefixInfo, end: int) -> int:
-    """An identity for ``data[:end]``, however long, apart from the keys (its own salt).
-
-    Within the hashed blocks the chain already names the prefix: its hash at the
-    last full block, continued over the partial one, costs one short xxh3 instead
-    of a pass over the whole prefix. Past ``max_blocks``, one pass over the bytes.
-    """
-    data = info.rendered.data
-    if end // info.block <= len(info.hashes):
-        name = cut_hash(data, info.hashes, info.seed, info.block, end)
-        return _xxh(name.to_bytes(8, "little"), _PREFIX_ID_SALT)
-    return _xxh(memoryview(data)[:end], info.seed ^ _PREFIX_ID_SALT)
-
-
-def _context_ends(rendered: Rendered, explicit: list[int], cut: int) -> tuple[int | None, int]:
-    """(end of the request's stable context if as deep as ``cut``, else None; end of its cap).
-
-    A context as deep as the key gets its own identity all the same: the key's
-    depth moves with popularity, and a context must keep one name throughout.
-    """
-    cap = stable_cap(rendered, explicit)
-    spans = rendered.spans
-    if len(spans) < 2:
-        return None, cap
-    within = min(cap, spans[-1].start)  # the last message is what changes
-    return max((s.end for s in spans if cut <= s.end <= within), default=None), cap
 
 
 class PrefixKeyer:
@@ -208,7 +163,6 @@ class PrefixKeyer:
         wide_share = self.settings.hot_fraction / n
         window = max(64, math.ceil(_WIDE_MIN_COUNT / wide_share))
         cuts, keys = self._cuts(info)
-        chosen = RouteKey(info.seed, 0, 0, info.seed, info.seed)
         if learn:
             # Every cut is counted, not only the walked ones: a deeper prefix's share
             # must be known from the start, or it would lag behind its parent's.
@@ -216,12 +170,7 @@ class PrefixKeyer:
             self.popularity.tick()
         else:
             i = self.popularity.first_narrow(keys, window, wide_share, record=False)
-        if keys:
-            end, cap = _context_ends(info.rendered, info.explicit, cuts[i])
-            context = keys[i] if end is None else _prefix_id(info, end)
-            # A later turn's context is its cap: hashed once.
-            chosen = RouteKey(keys[i], cuts[i], i, context, context if end == cap else _prefix_id(info, cap),
-                              cuts[i - 1] if i else 0)
+        chosen = RouteKey(keys[i], cuts[i], i, cuts[i - 1] if i else 0) if keys else RouteKey(info.seed, 0, 0)
         if learn:
             request.scratch[_SCRATCH_KEY] = (self, chosen)
         return chosen

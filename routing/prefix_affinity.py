@@ -38,7 +38,7 @@ Zadimoghaddam): a replica takes the request only if its in-flight count stays
 within ``ceil((1 + epsilon) x mean)``, the mean of what is in flight right now
 with this request included: this instance's own in-flight at each replica,
 exact, plus the requests of other clients (other kvgate instances included) that
-the replicas last reported, spread evenly over them (``_in_flight_now``: their
+the replicas last reported, spread evenly over them (``_load_view``: their
 number is known, where they are by now is not). It is checked at every
 decision, from the first; nothing is averaged. With one instance it holds
 exactly; with several, each holds it over its own view, and the fleet can pass
@@ -103,7 +103,7 @@ import time
 from typing import Callable, Sequence
 
 from .backlog import CHARS_PER_TOKEN, Backlog
-from .base import ReplicaView, RouteFeedback, RouteRequest, load_now, reported
+from .base import ReplicaView, RouteFeedback, RouteRequest, reported
 from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
 from .gossip import HELD, PLACED, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
@@ -164,13 +164,11 @@ class PrefixAffinity:
         mark = request.scratch.pop(_MARK, None)
         if mark is not None:
             self.backlog.done(mark[0], mark[1])
-        if not feedback.ok:
-            return
+        if not feedback.ok or request.scratch.get(_SENT) == feedback.replica:
+            return  # nothing learned, or recorded when it was sent there
         info = analyse(request, self.settings, self.keyer.chains)
         if not info.hashes:
             return
-        if request.scratch.get(_SENT) == feedback.replica:
-            return  # recorded when it was sent there
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
         bit = self.bits.bit_for(feedback.replica, self.index)
         if self.gossip is not None and not self.index.holders(route.key) >> bit & 1:
@@ -209,18 +207,19 @@ class PrefixAffinity:
         info = analyse(request, self.settings, self.keyer.chains)
         route = self.keyer.key_for(request, len(replicas), learn=learn)
         order = rendezvous_order(route.key, replicas, self._salts)
-        now = _in_flight_now(order)
+        now, waiting, share = _load_view(order)
         fits = within_bound(now, [r.weight for r in order], self.settings.epsilon)
         keys = self._keys(request)
         precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
-        work = self._work(info, route, order, precise, request, now)
         # Decode load: every request in flight weighs a typical request of ours (module doc).
         typical = self._typical(info, request)
-        costs = [ahead + uncached + load * typical for (ahead, uncached), load in zip(work, now)]
+        work = self._work(info, route, order, precise, request, now, waiting, share, typical)
         # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
-        inside = sorted((i for i in range(len(order)) if fits[i]), key=lambda i: (costs[i], work[i][1], i))
-        over = sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
-        picks = inside + over
+        ranked = sorted((ahead + uncached + load * typical, uncached, i)
+                        for i, ((ahead, uncached), load) in enumerate(zip(work, now)) if fits[i])
+        picks = [i for _, _, i in ranked]
+        if len(picks) < len(order):
+            picks += sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
         if learn:
             chosen = order[picks[0]]
             self._commit(request, info, route, chosen, work[picks[0]][1], order[0])
@@ -252,7 +251,8 @@ class PrefixAffinity:
         return keys  # type: ignore[no-any-return]
 
     def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], precise: dict[str, float],
-              request: RouteRequest, now: list[float]) -> list[tuple[float, float]]:
+              request: RouteRequest, now: list[float], waiting: list[float], others: float,
+              typical: float) -> list[tuple[float, float]]:
         """Per replica, in prompt tokens: (the work ahead of this request there, its own prefill there)."""
         prompt = len(info.rendered.data)
         tokens = request.token_ids
@@ -260,7 +260,6 @@ class PrefixAffinity:
         # index's share of the prompt is scaled to them.
         scale = len(tokens) / prompt if tokens and prompt else 1.0 / CHARS_PER_TOKEN
         block = self.truth.block_size if self.truth is not None else 0
-        typical = self._typical(info, request)
         # Replicas known to hold the key hold its prefix (another instance may have said
         # so, without the blocks); if none is, the home is presumed to (module doc).
         holders = self.index.holders(route.key)
@@ -268,7 +267,7 @@ class PrefixAffinity:
         # single span marks no turns, and a prompt grows by appending, so all of it.
         spans = info.rendered.spans
         context = max(route.cut, spans[-1].start if len(spans) > 1 else info.limit)
-        share = 0.0 if holders else _others_share(order)
+        share = 0.0 if holders else others
         presumed = context * share
         fleet_holds = any(precise.values())
         # A key placed away from its home: the other instances send its next requests
@@ -280,8 +279,10 @@ class PrefixAffinity:
         # Knows nothing of the request past its key: only then can another instance's fact
         # (share_index) say more than this instance's own blocks.
         blind = self.gossip is not None and max(depths.values(), default=0) * info.block <= route.cut
+        queued = self.backlog.queued(r.name for r in order)
+        bit_of, shared, block_chars = self.bits.get, float(route.shared), info.block
         for i, r in enumerate(order):
-            ahead.append(self.backlog.get(r.name) + _others_waiting(r) * typical + (astray if i else 0.0))
+            ahead.append(queued[i] + waiting[i] * typical + (astray if i else 0.0))
             if r.name in precise and tokens:
                 # The truth: what the replica's own events say it holds of this prompt. A
                 # prefix no replica holds yet is presumed at its home as in approximate mode
@@ -291,8 +292,8 @@ class PrefixAffinity:
                     held_tokens = max(held_tokens, presumed * scale)
                 uncached.append(max(0.0, len(tokens) - held_tokens))
                 continue
-            bit = self.bits.get(r.name)
-            held = float(depths.get(bit, 0) * info.block) if bit is not None else 0.0
+            bit = bit_of(r.name)
+            held = float(depths.get(bit, 0) * block_chars) if bit is not None else 0.0
             if bit is not None and holders >> bit & 1:
                 # Known to hold the key; known by its key alone (no blocks recorded, or
                 # another instance's fact where this instance knows nothing past the key:
@@ -304,7 +305,7 @@ class PrefixAffinity:
             # A wide prefix is warm wherever any of its traffic went (``RouteKey.shared``):
             # without this, the replicas this instance happened not to send it to looked
             # cold for it, and a conversation's new turns crowded the ones it did.
-            held = max(held, float(route.shared))
+            held = max(held, shared)
             # Queued prefill: ours, and others' waiting requests weighed as average ones of ours (above).
             uncached.append(max(0.0, prompt - held) * scale)
         # Prefill that the best-placed replica would not need is paid once by this request
@@ -331,47 +332,46 @@ class PrefixAffinity:
             request.scratch[_SENT] = chosen.name
 
 
-def _others_share(replicas: Sequence[ReplicaView]) -> float:
-    """The share of the replicas' reported queues that is not this instance's (0 before any report)."""
+def _load_view(replicas: Sequence[ReplicaView]) -> tuple[list[float], list[float], float]:
+    """(in flight now, others' waiting requests), per replica and unit weight, and the others' share.
+
+    *In flight now*: this instance's own requests at each replica it knows
+    exactly. The others' it knows only as the replicas last reported them, up to
+    a scrape interval ago. Those waiting then are still there (queued, or started
+    since). Those running then have mostly finished and been followed by others
+    that no scrape has counted, so of them their number is known, not where they
+    are: each replica is given the fleet's mean of them. (Read per replica, a
+    stale running figure sent every instance away from the replicas that were
+    busy a second ago, each to its own choice of the others: four instances
+    sharing nothing kept 62-78% of one instance's hit ratio on conversations,
+    90-94% with this.)
+
+    *Others' waiting*: the replica reports running and waiting together with
+    every client's; of its queue at the last scrape, this instance's share was
+    ``in_flight_at_scrape``. The rest, in the proportion the replica reports
+    waiting, is others' work still ahead of a new request.
+
+    *The others' share*: of the replicas' reported queues, the part that is not
+    this instance's (0 before any report).
+
+    One pass over the replicas, each report read once: this runs for every request.
+    """
+    own, waiting, loads = [], [], []
     total = mine = 0.0
     for r in replicas:
         queue = reported(r)
-        if queue is not None:
-            total += queue
-            mine += min(queue, r.in_flight_at_scrape)
-    return (total - mine) / total if total > 0 else 0.0
-
-
-def _others_waiting(replica: ReplicaView) -> float:
-    """Requests the replica reports waiting that are not this instance's (per unit weight).
-
-    The replica reports running and waiting together with every client's; of its
-    queue at the last scrape, this instance's share was ``in_flight_at_scrape``.
-    The rest, in the proportion the replica reports waiting, is others' work
-    still ahead of a new request.
-    """
-    queue = reported(replica)
-    if not queue or not replica.waiting:
-        return 0.0
-    others = max(0.0, queue - replica.in_flight_at_scrape)
-    return replica.waiting * others / queue / replica.weight
-
-
-def _in_flight_now(replicas: Sequence[ReplicaView]) -> list[float]:
-    """What each replica has in flight now, per unit weight, as this instance can best tell.
-
-    Its own requests there it knows exactly. The others' it knows only as the
-    replicas last reported them, up to a scrape interval ago. Those waiting then
-    are still there (queued, or started since). Those running then have mostly
-    finished and been followed by others that no scrape has counted, so of them
-    their number is known, not where they are: each replica is given the fleet's
-    mean of them. (Read per replica, a stale running figure sent every instance
-    away from the replicas that were busy a second ago, each to its own choice of
-    the others: four instances sharing nothing kept 62-78% of one instance's hit
-    ratio on conversations, 90-94% with this.)
-    """
-    own = [r.in_flight / r.weight for r in replicas]
-    waiting = [_others_waiting(r) for r in replicas]
-    running = sum(load_now(r) for r in replicas) - sum(own) - sum(waiting)
+        here = r.in_flight / r.weight
+        own.append(here)
+        if queue is None:
+            waiting.append(0.0)
+            loads.append(here)  # ``load_now`` with nothing reported
+            continue
+        others = max(0.0, queue - r.in_flight_at_scrape)
+        waiting.append(r.waiting * others / queue / r.weight if queue and r.waiting else 0.0)
+        loads.append((others + r.in_flight) / r.weight)  # ``load_now``
+        total += queue
+        mine += min(queue, r.in_flight_at_scrape)
+    running = sum(loads) - sum(own) - sum(waiting)
     mean = max(0.0, running) / len(replicas) if replicas else 0.0
-    return [o + w + mean for o, w in zip(own, waiting)]
+    share = (total - mine) / total if total > 0 else 0.0
+    return [o + w + mean for o, w in zip(own, waiting)], waiting, share

@@ -19,6 +19,7 @@ have somewhere to go.
 from __future__ import annotations
 
 import math
+from operator import mul
 from typing import Sequence, TypeVar
 
 import xxhash
@@ -29,6 +30,7 @@ __all__ = ["replica_salt", "rendezvous_order", "within_bound", "first_choice"]
 
 _xxh = xxhash.xxh3_64_intdigest
 _TWO64 = float(1 << 64)
+_log = math.log
 
 R = TypeVar("R", bound=ReplicaView)
 
@@ -36,11 +38,6 @@ R = TypeVar("R", bound=ReplicaView)
 def replica_salt(name: str) -> int:
     """A replica's stable identity in the hash: its name, never its URL or position."""
     return _xxh(name.encode("utf-8", "surrogatepass"), 0x6B76676174650001)
-
-
-def _score(key_bytes: bytes, salt: int, weight: float) -> float:
-    u = (_xxh(key_bytes, salt) + 0.5) / _TWO64
-    return weight / -math.log(u)
 
 
 def rendezvous_order(key: int, replicas: Sequence[R], salts: dict[str, int] | None = None) -> list[R]:
@@ -51,13 +48,16 @@ def rendezvous_order(key: int, replicas: Sequence[R], salts: dict[str, int] | No
     kb = (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
     salts = {} if salts is None else salts
     scored = []
-    for r in replicas:
-        salt = salts.get(r.name)
+    for i, r in enumerate(replicas):
+        name = r.name
+        salt = salts.get(name)
         if salt is None:
-            salt = salts[r.name] = replica_salt(r.name)
-        scored.append((-_score(kb, salt, r.weight), r.name, r))
-    scored.sort(key=lambda t: (t[0], t[1]))
-    return [t[2] for t in scored]
+            salt = salts[name] = replica_salt(name)
+        # Score weight / -ln(u), u uniform in (0, 1) from the hash. The position last: it
+        # breaks no tie that the name does not (a stable sort on score, then name).
+        scored.append((-(r.weight / -_log((_xxh(kb, salt) + 0.5) / _TWO64)), name, i))
+    scored.sort()
+    return [replicas[t[2]] for t in scored]
 
 
 def first_choice(key: int, names: Sequence[str]) -> str:
@@ -78,6 +78,12 @@ def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: floa
     total_weight = sum(weights)
     if total_weight <= 0:
         return [True] * len(loads)
-    mean = (sum(load * w for load, w in zip(loads, weights)) + 1.0) / total_weight
-    return [load * w + 1.0 <= max(math.ceil(max((1.0 + epsilon) * mean * w, (mean + floor) * w) - 1e-9), 1)
-            for load, w in zip(loads, weights)]
+    mean = (sum(map(mul, loads, weights)) + 1.0) / total_weight
+    caps: dict[float, int] = {}  # by weight: most fleets have one
+    out = []
+    for load, w in zip(loads, weights):
+        cap = caps.get(w)
+        if cap is None:
+            cap = caps[w] = max(math.ceil(max((1.0 + epsilon) * mean * w, (mean + floor) * w) - 1e-9), 1)
+        out.append(load * w + 1.0 <= cap)
+    return out

@@ -75,7 +75,7 @@ def test_four_independent_instances_keep_the_single_instance_hit_ratio() -> None
     four = simulate(w, make, replace(settings, instances=4, agreement=True))
     assert one.hit_ratio > 0.5
     # Measured .90 of one instance (.74 when the others' stale running counts were read
-    # per replica, routing.prefix_affinity._in_flight_now); issue 15 asks for .95.
+    # per replica, routing.prefix_affinity._load_view); issue 15 asks for .95.
     assert four.hit_ratio >= 0.85 * one.hit_ratio
 
 

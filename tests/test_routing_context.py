@@ -18,14 +18,12 @@ def twin(t: int, q: int) -> RouteRequest:
         {"role": "system", "content": system}, {"role": "user", "content": f"question {q}: " + "details " * 30}]})
 
 
-def test_a_twin_has_its_own_context_under_its_organisations_key() -> None:
+def test_twins_share_their_organisations_key_and_a_conversation_keeps_one() -> None:
     keyer = PrefixKeyer(RoutingSettings())
     a, b, a_again = (keyer.key_for(r, 8) for r in (twin(1, 1), twin(2, 2), twin(1, 3)))
-    assert a.key == b.key  # the organisation keys both
-    assert a.context != b.context and a.context == a_again.context != a.key
-    # A conversation's later turns have their first turn as context: what its first turn indexes.
+    assert a.key == b.key == a_again.key  # the organisation keys them all
     c1, c3 = keyer.key_for(conversation(7, 1), 8), keyer.key_for(conversation(7, 3), 8)
-    assert c1.key == c3.key and c3.context == c1.capped
+    assert c1.key == c3.key
 
 
 def test_a_twin_served_elsewhere_is_followed_there_while_its_siblings_stay() -> None:
