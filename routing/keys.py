@@ -69,7 +69,6 @@ class PrefixInfo(NamedTuple):
 class RouteKey(NamedTuple):
     key: int  # hash of the exact prefix data[:cut]
     cut: int  # bytes of prefix the key covers
-    wide: int  # how many shallower cuts were wide (0: the first cut keys the request)
     # The deepest wide cut (0 if none): a prefix carried by more than a replica's
     # share of the traffic is on every replica that serves any of it, so every
     # replica is credited with it (a system prompt in every request is warm everywhere).
@@ -170,7 +169,7 @@ class PrefixKeyer:
             self.popularity.tick()
         else:
             i = self.popularity.first_narrow(keys, window, wide_share, record=False)
-        chosen = RouteKey(keys[i], cuts[i], i, cuts[i - 1] if i else 0) if keys else RouteKey(info.seed, 0, 0)
+        chosen = RouteKey(keys[i], cuts[i], cuts[i - 1] if i else 0) if keys else RouteKey(info.seed, 0)
         if learn:
             request.scratch[_SCRATCH_KEY] = (self, chosen)
         return chosen

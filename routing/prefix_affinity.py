@@ -356,22 +356,20 @@ def _load_view(replicas: Sequence[ReplicaView]) -> tuple[list[float], list[float
 
     One pass over the replicas, each report read once: this runs for every request.
     """
-    own, waiting, loads = [], [], []
-    total = mine = 0.0
+    own, waiting = [], []
+    total = mine = others_all = 0.0
     for r in replicas:
         queue = reported(r)
-        here = r.in_flight / r.weight
-        own.append(here)
+        own.append(r.in_flight / r.weight)
         if queue is None:
             waiting.append(0.0)
-            loads.append(here)  # ``load_now`` with nothing reported
             continue
-        others = max(0.0, queue - r.in_flight_at_scrape)
+        others = max(0.0, queue - r.in_flight_at_scrape)  # as ``load_now`` counts them
         waiting.append(r.waiting * others / queue / r.weight if queue and r.waiting else 0.0)
-        loads.append((others + r.in_flight) / r.weight)  # ``load_now``
+        others_all += others / r.weight
         total += queue
         mine += min(queue, r.in_flight_at_scrape)
-    running = sum(loads) - sum(own) - sum(waiting)
+    running = others_all - sum(waiting)
     mean = max(0.0, running) / len(replicas) if replicas else 0.0
     share = (total - mine) / total if total > 0 else 0.0
     return [o + w + mean for o, w in zip(own, waiting)], waiting, share

@@ -59,15 +59,22 @@ def _function(fn: Any) -> dict[str, Any]:
     return out
 
 
+def _objects(tools: Any) -> list[dict[str, Any]]:
+    """A request's ``tools``: a list of objects, as vLLM's request models demand of every endpoint."""
+    if not isinstance(tools, list):
+        raise Unrenderable("tools")
+    if not all(isinstance(tool, dict) for tool in tools):
+        raise Unrenderable("tool")
+    return tools
+
+
 def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
     """A chat request's tools as vLLM gives them to the template (``ChatCompletionToolsParam.model_dump()``)."""
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise Unrenderable("tools")
     out = []
-    for tool in tools:
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+    for tool in _objects(tools):
+        if tool.get("type", "function") != "function":
             raise Unrenderable("tool")
         fn = tool.get("function")
         defer = tool.get("defer_loading")
@@ -203,11 +210,9 @@ def _anthropic_message(msg: dict[str, Any], out: list[dict[str, Any]]) -> None:
 def _anthropic_tools(tools: Any) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise Unrenderable("tools")
     out = []
-    for tool in tools:
-        if not isinstance(tool, dict) or not isinstance(tool.get("input_schema"), dict):
+    for tool in _objects(tools):
+        if not isinstance(tool.get("input_schema"), dict):
             raise Unrenderable("tool")
         schema = tool["input_schema"]
         if "type" not in schema:
@@ -278,12 +283,8 @@ def _response_tools(tools: Any) -> list[dict[str, Any]] | None:
     """``construct_tool_dicts``: the function tools the model is shown, as chat tools; other kinds dropped."""
     if not tools:
         return None
-    if not isinstance(tools, list):
-        raise Unrenderable("tools")
     out = []
-    for tool in tools:
-        if not isinstance(tool, dict):
-            raise Unrenderable("tool")
+    for tool in _objects(tools):
         kind = tool.get("type")
         if kind == "function":
             fns = [tool]
