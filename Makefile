@@ -3,6 +3,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The routing decision's modules compiled by mypyc (routing/_native.py), redone when routing changes.
+NATIVE := $(VENV)/.compiled
 
 .PHONY: run test install bench lint clean
 
@@ -14,12 +16,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test,bench]"
 	touch $(STAMP)
 
-install: $(STAMP)
+$(NATIVE): $(STAMP) setup.py $(wildcard routing/*.py)
+	$(BIN)/python setup.py -q build_ext --inplace
+	touch $(NATIVE)
 
-run: $(STAMP)
+install: $(NATIVE)
+
+run: $(NATIVE)
 	$(BIN)/kvgate demo
 
-test: $(STAMP)
+test: $(NATIVE)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
@@ -28,4 +34,4 @@ lint: $(STAMP)
 	$(BIN)/mypy gateway routing semantic_cache policies vllm_sim
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info routing/*.so

@@ -19,6 +19,7 @@ import httpx
 
 from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry
 from routing import RoutingPolicy, RoutingSettings, make_policy, resolve
+from routing import _native as routing_native
 from routing.prefix_affinity import PrefixAffinity
 from routing.kv_events import KVEvents
 from routing.tokenization import Tokenization
@@ -271,7 +272,9 @@ class Runtime:
 
     def routing_stats(self) -> dict[str, Any]:
         stats = getattr(self.policy, "stats", None)
-        out: dict[str, Any] = {"policy": self.policy.name, "epsilon": self.settings.routing.epsilon}
+        out: dict[str, Any] = {"policy": self.policy.name, "epsilon": self.settings.routing.epsilon,
+                               # Whether the decision runs compiled (routing._native): half the cost.
+                               "compiled": routing_native.compiled()}
         if callable(stats):
             out.update(stats())
         out.update(self.routing_counts)

@@ -22,6 +22,8 @@ What the gateway calls:
 
 from __future__ import annotations
 
+# First: decides, before any compiled module is imported, whether they run compiled or from source.
+from . import _native  # noqa: F401
 from .base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy, load_now
 from .boundary import strip_cache_control
 from .consistent_hash import ConsistentHash

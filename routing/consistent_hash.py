@@ -10,7 +10,7 @@ from typing import Sequence
 
 from .base import ReplicaView, RouteFeedback, RouteRequest
 from .keys import PrefixKeyer
-from .rendezvous import rendezvous_order
+from .rendezvous import Rendezvous
 from .settings import RoutingSettings
 
 
@@ -20,12 +20,12 @@ class ConsistentHash:
     def __init__(self, settings: RoutingSettings | None = None) -> None:
         self.settings = settings or RoutingSettings()
         self.keyer = PrefixKeyer(self.settings)
-        self._salts: dict[str, int] = {}
+        self._orders = Rendezvous()
 
     def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
         if len(replicas) < 2:
             return list(replicas)
-        return rendezvous_order(self.keyer.key_for(request, len(replicas)).key, replicas, self._salts)
+        return self._orders.order(self.keyer.key_for(request, len(replicas)).key, replicas)
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         return None

@@ -104,12 +104,12 @@ from typing import Callable, Sequence
 
 from .backlog import CHARS_PER_TOKEN, Backlog
 from .base import ReplicaView, RouteFeedback, RouteRequest, reported
-from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
+from .block_index import BlockIndex, ReplicaBits
 from .gossip import HELD, PLACED, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
 from .kv_events import KVEvents
 from .token_keys import block_keys
-from .rendezvous import rendezvous_order, within_bound
+from .rendezvous import Rendezvous, within_bound
 from .settings import RoutingSettings
 
 __all__ = ["PrefixAffinity"]
@@ -139,7 +139,7 @@ class PrefixAffinity:
         self.bits = ReplicaBits()
         self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
         self.gossip = Gossip() if self.settings.share_index else None
-        self._salts: dict[str, int] = {}
+        self._orders = Rendezvous()
         # The mean prompt work of this instance's requests: what another client's
         # waiting request is taken to weigh.
         self._work_sum = 0.0
@@ -202,27 +202,24 @@ class PrefixAffinity:
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
         if len(replicas) < 2:
             return list(replicas)
-        if len(self._salts) > MAX_REPLICA_IDS:
-            self._salts.clear()
         info = analyse(request, self.settings, self.keyer.chains)
         route = self.keyer.key_for(request, len(replicas), learn=learn)
-        order = rendezvous_order(route.key, replicas, self._salts)
+        order = self._orders.order(route.key, replicas)
         now, waiting, share = _load_view(order)
         fits = within_bound(now, [r.weight for r in order], self.settings.epsilon)
         keys = self._keys(request)
         precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
         # Decode load: every request in flight weighs a typical request of ours (module doc).
         typical = self._typical(info, request)
-        work = self._work(info, route, order, precise, request, now, waiting, share, typical)
+        cost, uncached, depths = self._work(info, route, order, precise, request, now, waiting, share, typical)
         # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
-        ranked = sorted((ahead + uncached + load * typical, uncached, i)
-                        for i, ((ahead, uncached), load) in enumerate(zip(work, now)) if fits[i])
-        picks = [i for _, _, i in ranked]
+        ranked = sorted([(cost[i], uncached[i], i) for i in range(len(order)) if fits[i]])
+        picks = [t[2] for t in ranked]
         if len(picks) < len(order):
             picks += sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
         if learn:
             chosen = order[picks[0]]
-            self._commit(request, info, route, chosen, work[picks[0]][1], order[0])
+            self._commit(request, info, route, chosen, uncached[picks[0]], order[0], depths)
             if keys and self.truth is not None:
                 if chosen.name in precise:
                     self.precise_decisions += 1
@@ -252,8 +249,9 @@ class PrefixAffinity:
 
     def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], precise: dict[str, float],
               request: RouteRequest, now: list[float], waiting: list[float], others: float,
-              typical: float) -> list[tuple[float, float]]:
-        """Per replica, in prompt tokens: (the work ahead of this request there, its own prefill there)."""
+              typical: float) -> tuple[list[float], list[float], dict[int, int]]:
+        """Per replica, in prompt tokens: the cost, and the request's own prefill there; and the
+        index's depths (blocks held, by replica bit) they were read from."""
         prompt = len(info.rendered.data)
         tokens = request.token_ids
         # With the token ids known, every figure is in real tokens: the approximate
@@ -312,10 +310,12 @@ class PrefixAffinity:
         # and once more by every request in flight where it lands: each waits for, or
         # decodes around, that extra prefill step.
         least = min(uncached)
-        return [(a + load * (u - least), u) for a, u, load in zip(ahead, uncached, now)]
+        # Then its own prefill, and the decode load (module doc): the cost.
+        cost = [a + load * (u - least) + u + load * typical for a, u, load in zip(ahead, uncached, now)]
+        return cost, uncached, depths
 
     def _commit(self, request: RouteRequest, info: PrefixInfo, route: RouteKey, chosen: ReplicaView,
-                uncached: float, home: ReplicaView) -> None:
+                uncached: float, home: ReplicaView, depths: dict[int, int]) -> None:
         """What a decision teaches: the chosen replica's queue grows, and it will hold the prompt."""
         request.scratch[_MARK] = (chosen.name, self.backlog.add(chosen.name, uncached))
         self._work_sum += uncached
@@ -328,7 +328,7 @@ class PrefixAffinity:
             # since another instance's eligible replicas (its home) may differ.
             self.gossip.note(PLACED, route.key, chosen.name)
         if info.hashes:
-            self._hold(info, route, bit, self.index.depth_of(info.hashes, bit))
+            self._hold(info, route, bit, depths.get(bit, 0))
             request.scratch[_SENT] = chosen.name
 
 

@@ -26,7 +26,7 @@ import xxhash
 
 from .base import ReplicaView
 
-__all__ = ["replica_salt", "rendezvous_order", "within_bound", "first_choice"]
+__all__ = ["replica_salt", "rendezvous_order", "Rendezvous", "within_bound", "first_choice"]
 
 _xxh = xxhash.xxh3_64_intdigest
 _TWO64 = float(1 << 64)
@@ -45,8 +45,48 @@ def rendezvous_order(key: int, replicas: Sequence[R], salts: dict[str, int] | No
 
     ``salts`` caches each name's salt across calls (the caller owns and bounds it).
     """
+    positions = _scored(key, replicas, {} if salts is None else salts)
+    return [replicas[i] for i in positions]
+
+
+class Rendezvous:
+    """``rendezvous_order`` remembered: a key's order is computed once per membership.
+
+    The order is a pure function of the key and the (name, weight) list, and a
+    key (a conversation, an organisation) comes back for many requests: so the
+    order is kept, as positions in the list, until the membership changes. At
+    most ``capacity`` keys are kept (then all are forgotten at once: recomputing
+    one is a microsecond or two a replica).
+    """
+
+    __slots__ = ("_salts", "_orders", "_members", "_capacity")
+
+    def __init__(self, capacity: int = 1 << 14) -> None:
+        self._salts: dict[str, int] = {}
+        self._orders: dict[int, tuple[int, ...]] = {}
+        self._members: tuple[tuple[str, float], ...] = ()
+        self._capacity = capacity
+
+    def order(self, key: int, replicas: Sequence[R]) -> list[R]:
+        """``rendezvous_order(key, replicas)``."""
+        members = tuple([(r.name, r.weight) for r in replicas])
+        orders = self._orders
+        if members != self._members:
+            self._members = members
+            orders.clear()
+            if len(self._salts) > 4 * len(members) + 64:
+                self._salts.clear()  # names churned (DNS pods): keep only the current ones' salts
+        at = orders.get(key)
+        if at is None:
+            if len(orders) >= self._capacity:
+                orders.clear()
+            at = orders[key] = tuple(_scored(key, replicas, self._salts))
+        return [replicas[i] for i in at]
+
+
+def _scored(key: int, replicas: Sequence[R], salts: dict[str, int]) -> list[int]:
+    """Positions of ``replicas`` in ``key``'s rendezvous order."""
     kb = (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
-    salts = {} if salts is None else salts
     scored = []
     for i, r in enumerate(replicas):
         name = r.name
@@ -57,7 +97,7 @@ def rendezvous_order(key: int, replicas: Sequence[R], salts: dict[str, int] | No
         # breaks no tie that the name does not (a stable sort on score, then name).
         scored.append((-(r.weight / -_log((_xxh(kb, salt) + 0.5) / _TWO64)), name, i))
     scored.sort()
-    return [replicas[t[2]] for t in scored]
+    return [t[2] for t in scored]
 
 
 def first_choice(key: int, names: Sequence[str]) -> str:

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from routing import _native
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL, Stack, sim_config, start_stack
 from vllm_sim.server import build_app as build_sim
@@ -141,6 +142,7 @@ def test_tenant_lifecycle_and_key_rotation(stack: Stack, admin: httpx.Client) ->
 def test_routing_cache_hygiene_status_openapi(admin: httpx.Client) -> None:
     routing = admin.patch("/admin/routing", json={"policy": "prefix_affinity"}).json()
     assert routing["policy"] == "prefix_affinity" and routing["decisions"] == routing["left_home"] == 0
+    assert routing["compiled"] is _native.compiled()  # the build this process runs
     # Its former name still selects it.
     assert admin.patch("/admin/routing", json={"policy": "cost"}).json()["policy"] == "prefix_affinity"
     assert admin.patch("/admin/routing", json={"policy": "round_robin"}).json()["policy"] == "round_robin"

@@ -318,7 +318,8 @@ def _ignored(rel: str) -> bool:
 def test_dockerignore_excludes_local_state() -> None:
     for rel in (".venv/bin/python", ".git/HEAD", "bench/out/routing.json", ".pytest_cache/x",
                 ".hypothesis/examples/x", "gateway/__pycache__/app.cpython-311.pyc", ".mypy_cache/x",
-                ".ruff_cache/x", "tests/test_deploy.py", "kvgate.egg-info/PKG-INFO"):
+                ".ruff_cache/x", "tests/test_deploy.py", "kvgate.egg-info/PKG-INFO",
+                "routing/native__mypyc.cpython-311-x86_64-linux-gnu.so", "routing/_native_built.txt"):
         assert _ignored(rel), f".dockerignore lets {rel} into the build context"
 
 
@@ -337,6 +338,7 @@ def test_dockerfile_copies_every_package_and_nothing_ignored() -> None:
     readme = pyproject["project"].get("readme")
     if readme:
         assert readme in sources, "pyproject's readme must be in the build context"
+    assert "setup.py" in sources, "setup.py compiles the routing modules: the image build needs it"
 
 
 # ------------------------------------------------------------------------------- README
