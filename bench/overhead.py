@@ -18,6 +18,8 @@ they are measured in turn, cell by cell.
                                              # a 200-word and a ~4K-token system prompt, a short user turn
     python -m bench.overhead --policy round_robin prefix_affinity --prompt-tokens 4096 --repeat 3 --pin
                                              # the same with kvgate on a core of its own (see --pin)
+    python -m bench.overhead --policy round_robin prefix_affinity --prompt-tokens 4096 --repeat 3 --pin --interpreted
+                                             # and beside them prefix_affinity with routing interpreted
 
 Each kvgate routes over ``--replicas`` replicas (default 4, names on the one
 upstream), so a policy has a choice to make. ``--repeat R`` measures every
@@ -76,6 +78,7 @@ class Target:
     port: int
     policy: str | None = None
     workers: int = 1
+    interpreted: bool = False  # routing from source, not compiled (routing._native)
 
 
 def start_upstream(port: int) -> subprocess.Popen[bytes]:
@@ -86,7 +89,7 @@ def start_upstream(port: int) -> subprocess.Popen[bytes]:
 
 
 def start_gateway(target: Target, upstream_port: int, replicas: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVGATE_INTERPRETED": "1" if target.interpreted else ""}
     cfg = Path(tempfile.mkdtemp()) / "kvgate.yaml"
     names = ["fast"] if replicas == 1 else [f"fast{i}" for i in range(replicas)]
     fleet = ", ".join(f"{{name: {n}, url: 'http://127.0.0.1:{upstream_port}', models: [sim-model]}}" for n in names)
@@ -273,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--endpoints", nargs="+", choices=sorted(ENDPOINTS), default=["chat"],
                    help="routes measured side by side, each cell in turn")
     p.add_argument("--repeat", type=int, default=1, help="measure each cell this often; print medians")
+    p.add_argument("--interpreted", action="store_true",
+                   help="also each policy with routing interpreted (KVGATE_INTERPRETED=1), beside the compiled build")
     p.add_argument("--pin", action="store_true",
                    help="kvgate on the last core, the upstream and this load generator on the others: on loopback "
                         "a write wakes its reader, and on a shared core the writer waits inside write() for it")
@@ -287,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.workers != [1]:
                 name += f", {w} worker{'s' * (w > 1)}"
             targets.append(Target(name, _free_port(), policy, w))
+            if args.interpreted and policy != "round_robin":
+                targets.append(Target(f"{name}, interpreted", _free_port(), policy, w, interpreted=True))
     procs = [start_upstream(up_port)]
     try:
         gateways = {t.label: start_gateway(t, up_port, args.replicas) for t in targets[1:]}

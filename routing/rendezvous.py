@@ -19,7 +19,6 @@ have somewhere to go.
 from __future__ import annotations
 
 import math
-from operator import mul
 from typing import Sequence, TypeVar
 
 import xxhash
@@ -115,15 +114,22 @@ def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: floa
     below mean + ``floor``: at a handful of requests per replica, a difference
     of one or two is noise, not imbalance.
     """
-    total_weight = sum(weights)
+    # Plain loops over floats (no map, zip or sum): this runs on every request, compiled.
+    n = len(loads)
+    total_weight = weighted = 0.0
+    for i in range(n):
+        w = float(weights[i])
+        total_weight += w
+        weighted += float(loads[i]) * w
     if total_weight <= 0:
-        return [True] * len(loads)
-    mean = (sum(map(mul, loads, weights)) + 1.0) / total_weight
-    caps: dict[float, int] = {}  # by weight: most fleets have one
+        return [True] * n
+    mean = (weighted + 1.0) / total_weight
     out = []
-    for load, w in zip(loads, weights):
-        cap = caps.get(w)
-        if cap is None:
-            cap = caps[w] = max(math.ceil(max((1.0 + epsilon) * mean * w, (mean + floor) * w) - 1e-9), 1)
-        out.append(load * w + 1.0 <= cap)
+    last_w, cap = -1.0, 0  # by weight: most fleets have one, so one cap
+    for i in range(n):
+        w = float(weights[i])
+        if w != last_w:
+            last_w = w
+            cap = max(math.ceil(max((1.0 + epsilon) * mean * w, (mean + floor) * w) - 1e-9), 1)
+        out.append(float(loads[i]) * w + 1.0 <= cap)
     return out
