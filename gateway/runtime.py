@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 
-from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry
+from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry, scan_memo
 from routing import RoutingPolicy, RoutingSettings, make_policy, resolve
 from routing import _native as routing_native
 from routing.prefix_affinity import PrefixAffinity
@@ -107,7 +107,7 @@ class Runtime:
         self.engine = PolicyEngine(
             TenantRegistry(settings.tenants, secret, store),
             RateLimiter(self.redis, timeout_s=settings.redis_timeout_s), self.hygiene,
-            boundary_marker=settings.routing.boundary_marker)
+            boundary_marker=settings.routing.boundary_marker, scans=scan_memo())
         self.cache: SemanticCache | None = None
         self.tenant_stats = TenantStats()
         self.endpoint_stats = EndpointStats()

@@ -4,6 +4,7 @@
     salt                            per-namespace cache_salt; body fields clients may not set
     normalize                       deterministic tool JSON (opt-in per tenant)
     hygiene / hygiene_state         volatile content above the cache boundary, per request and across
+    memo                            bounded results by input digest (a system prompt scanned once)
     window / breaker / ratelimit    requests and tokens per minute, Redis-shared, local fallback
     decision / engine               the composed policy: ``authenticate`` then ``admit``
 
@@ -16,7 +17,7 @@ here logs or returns key material or prompt text (hygiene excerpts are at most
 from .decision import PREFIX_WARNING_HEADER, PolicyDecision, Rejection, evaluate
 from .engine import PolicyEngine
 from .errors import AdminError, AuthError, PolicyError
-from .hygiene import PrefixWarning, analyze
+from .hygiene import PrefixWarning, analyze, scan_memo
 from .hygiene_state import HygieneReport, HygieneTracker
 from .keys import CLIENT_AUTH_HEADERS, extract_api_key, query_has_api_key, redact_query
 from .ratelimit import RateDecision, RateLimiter
@@ -30,5 +31,5 @@ __all__ = [
     "IssuedKey", "MemoryTenantStore", "PolicyDecision", "PolicyEngine", "PolicyError", "PrefixWarning",
     "RateDecision", "RateLimiter", "RedisTenantStore", "Rejection", "Tenant", "TenantInfo", "TenantRegistry",
     "TenantStore", "allows_model", "analyze", "apply_salt", "cache_salt", "evaluate", "extract_api_key",
-    "query_has_api_key", "redact_query", "strip_client_fields",
+    "query_has_api_key", "redact_query", "scan_memo", "strip_client_fields",
 ]

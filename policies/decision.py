@@ -10,8 +10,9 @@
   5. prompt hygiene of the final body (chat, and responses and messages seen as
      chat; completions carry a raw prompt with no message structure to find the
      boundary in).
-It performs no I/O and keeps no state; ``engine.PolicyEngine`` adds the rate
-limiter and the cross-request hygiene tracker around it.
+It performs no I/O and keeps no state (a memo of hygiene's scans, when given,
+changes its cost, not its result); ``engine.PolicyEngine`` adds the rate
+limiter, that memo and the cross-request hygiene tracker around it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any, Literal
 from routing.messages_view import chat_view
 
 from .errors import ModelNotAllowed, PolicyError
-from .hygiene import PrefixWarning, analyze, warning_kinds
+from .hygiene import Findings, PrefixWarning, analyze, warning_kinds
+from .memo import DigestMemo
 from .normalize import normalize_tools
 from .responses_view import as_chat
 from .salt import apply_salt, strip_client_fields
@@ -91,12 +93,14 @@ def hygiene_body(endpoint: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "chat",
-             boundary: int | None = None, marker: str | None = None) -> PolicyDecision:
+             boundary: int | None = None, marker: str | None = None,
+             scans: DigestMemo[Findings] | None = None) -> PolicyDecision:
     """The tenant's policy applied to one validated request body. Pure; the input is not modified.
 
     ``boundary``: index of the first message below the stable prefix (default:
     the final user message). ``marker``: a literal the client may place where
-    its stable prefix ends (``RoutingSettings.boundary_marker``).
+    its stable prefix ends (``RoutingSettings.boundary_marker``). ``scans``: a memo
+    of hygiene's per-text scans, kept per cache namespace (``hygiene.analyze``).
     """
     model = body.get("model")
     if isinstance(model, str) and not allows_model(tenant, model):
@@ -108,5 +112,6 @@ def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "c
         out = apply_salt(out, tenant.cache_salt)
     warnings: tuple[PrefixWarning, ...] = ()
     if tenant.prompt_hygiene and endpoint in _HYGIENE:
-        warnings = tuple(analyze(hygiene_body(endpoint, out), boundary=boundary, marker=marker))
+        warnings = tuple(analyze(hygiene_body(endpoint, out), boundary=boundary, marker=marker, memo=scans,
+                                 scope=tenant.namespace))
     return PolicyDecision(tenant, out, warning_headers(warnings), warnings, stripped)

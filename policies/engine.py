@@ -8,7 +8,9 @@
 ``admit`` runs the pure ``decision.evaluate``, then the rate limiter (a refused
 model never spends rate budget), then the cross-request hygiene tracker (only
 admitted requests shape the hygiene report). The engine owns no I/O resources;
-the registry, limiter and tracker are built in the gateway's lifespan.
+the registry, limiter, tracker and the memo of hygiene's scans (``scans``: a
+system prompt is scanned once, not on every request that sends it) are built in
+the gateway's lifespan.
 """
 
 from __future__ import annotations
@@ -19,18 +21,22 @@ from typing import Any
 
 from .decision import Endpoint, PolicyDecision, Rejection, evaluate, hygiene_body, warning_headers
 from .errors import ApiKeyInQuery, RateLimited
+from .hygiene import Findings
 from .hygiene_state import HygieneTracker
 from .keys import extract_api_key, query_has_api_key
+from .memo import DigestMemo
 from .ratelimit import RateLimiter
 from .tenants import Tenant, TenantRegistry
 
 
 class PolicyEngine:
     def __init__(self, registry: TenantRegistry, limiter: RateLimiter | None = None,
-                 tracker: HygieneTracker | None = None, *, boundary_marker: str | None = None) -> None:
+                 tracker: HygieneTracker | None = None, *, boundary_marker: str | None = None,
+                 scans: DigestMemo[Findings] | None = None) -> None:
         self.registry = registry
         self.limiter = limiter if limiter is not None else RateLimiter(None)
         self.tracker = tracker
+        self.scans = scans
         self._marker = boundary_marker
 
     def authenticate(self, headers: Mapping[str, str] | Iterable[tuple[str, str]],
@@ -44,7 +50,8 @@ class PolicyEngine:
     async def admit(self, tenant: Tenant, endpoint: Endpoint, body: Mapping[str, Any], *,
                     boundary: int | None = None, cost_tokens: int = 0) -> PolicyDecision:
         """Tenant policy for one validated body: rewrites, warnings, rate limit, or a rejection."""
-        decision = evaluate(tenant, body, endpoint=endpoint, boundary=boundary, marker=self._marker)
+        decision = evaluate(tenant, body, endpoint=endpoint, boundary=boundary, marker=self._marker,
+                            scans=self.scans)
         if not decision.allowed:
             return decision
         rate = await self.limiter.check(tenant, cost_tokens=cost_tokens)

@@ -15,9 +15,16 @@ of the same tenant, so ``HygieneTracker`` remembers a little about each:
 
 Memory is bounded: at most ``max_tenants`` tenants (least recently seen
 dropped), and per tenant ``tool_sets`` fingerprints, ``prompts`` system prompts
-truncated to ``prompt_chars`` characters, and a small LRU of value slots.
-Prompt text lives only in this memory; it is never logged nor reported (the
-report carries only the short redacted excerpts of ``hygiene``).
+truncated to ``prompt_chars`` characters, and a small LRU of value slots; for
+all tenants, ``tool_memo`` tool-list fingerprints. Prompt text lives only in
+this memory; it is never logged nor reported (the report carries only the
+short redacted excerpts of ``hygiene``).
+
+What is per prefix costs little per request: a system prompt seen before is
+recognised by the digest of its first ``prompt_chars`` characters (not compared
+as text again), and a tool list's fingerprints are kept by the digest of its
+JSON, per tenant, so a request that repeats its prompt and tools pays one
+``orjson.dumps`` and two digests for them.
 
 Not thread-safe: one tracker per event loop, called from the request path.
 """
@@ -32,7 +39,8 @@ from typing import Any
 import xxhash
 
 from .hygiene import CHARS_PER_TOKEN, SCANNED_ROLES, PrefixWarning, chars_below, excerpt, prefix_texts
-from .normalize import tool_fingerprints
+from .memo import DigestMemo
+from .normalize import ToolFingerprints, tool_fingerprints
 
 _PROBE = 48  # characters that must agree after a differing span
 _MAX_SPAN = 40  # longest span still treated as "a name"
@@ -85,6 +93,7 @@ class _KindStats:
 
 @dataclass
 class _TenantState:
+    seed: int  # keys this tenant's entries in the shared tool memo
     tools: OrderedDict[int, tuple[int, int]] = field(default_factory=OrderedDict)
     prompts: deque[tuple[int, str]] = field(default_factory=deque)
     slots: OrderedDict[tuple[str, int | None], tuple[int, int]] = field(default_factory=OrderedDict)
@@ -154,7 +163,8 @@ def differing_span(a: str, b: str) -> tuple[int, int] | None:
 
 class HygieneTracker:
     def __init__(self, *, max_tenants: int = 1024, tool_sets: int = 32, prompts: int = 4,
-                 prompt_chars: int = 4096, slots: int = 64, stable_after: int = 3, examples: int = 3) -> None:
+                 prompt_chars: int = 4096, slots: int = 64, stable_after: int = 3, examples: int = 3,
+                 tool_memo: int = 4096) -> None:
         self._max_tenants = max_tenants
         self._tool_sets = tool_sets
         self._prompts = prompts
@@ -163,11 +173,14 @@ class HygieneTracker:
         self._stable_after = stable_after
         self._examples = examples
         self._tenants: OrderedDict[str, _TenantState] = OrderedDict()
+        # tool_memo=0: no memo (the same results, each tool list fingerprinted in full).
+        self._tool_memo: DigestMemo[ToolFingerprints] | None = DigestMemo(tool_memo) if tool_memo else None
 
     def _state(self, tenant: str) -> _TenantState:
         st = self._tenants.get(tenant)
         if st is None:
-            st = self._tenants[tenant] = _TenantState(prompts=deque(maxlen=self._prompts))
+            seed = xxhash.xxh3_64_intdigest(tenant.encode("utf-8", "surrogatepass"))
+            st = self._tenants[tenant] = _TenantState(seed, prompts=deque(maxlen=self._prompts))
             if len(self._tenants) > self._max_tenants:
                 self._tenants.popitem(last=False)
         else:
@@ -205,7 +218,7 @@ class HygieneTracker:
         return streak > self._stable_after
 
     def _tool_warnings(self, st: _TenantState, tools: list[Any], above: int) -> list[PrefixWarning]:
-        fp = tool_fingerprints(tools)
+        fp = tool_fingerprints(tools, self._tool_memo, st.seed)
         previous = st.tools.get(fp.canonical)
         st.tools[fp.canonical] = (fp.ordered, fp.raw)
         st.tools.move_to_end(fp.canonical)

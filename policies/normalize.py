@@ -31,6 +31,8 @@ from typing import Any
 import orjson
 import xxhash
 
+from .memo import DigestMemo
+
 _MAX_EXACT_INT = 2**53  # beyond this a float is not an exact integer in JSON consumers
 _TOOL_FIELDS = ("tools", "functions")  # "functions" is the legacy OpenAI field
 
@@ -92,17 +94,30 @@ class ToolFingerprints:
     chars: int  # length of the rendered JSON, for loss estimates
 
 
-def _digest(value: Any, sort_keys: bool = False) -> tuple[int, int]:
+def _dumps(value: Any, sort_keys: bool = False) -> bytes:
     try:
-        data = orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0)
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0)
     except TypeError:  # integers beyond 64 bits: valid JSON orjson will not write
-        data = json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), default=str).encode()
-    return xxhash.xxh3_64_intdigest(data), len(data)
+        return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), default=str).encode()
 
 
-def tool_fingerprints(tools: Sequence[Any]) -> ToolFingerprints:
-    """Fingerprints of a tool list; C-speed (orjson), as this runs on every request with tools."""
-    raw, chars = _digest(tools)
-    ordered, _ = _digest(tools, sort_keys=True)
-    full, _ = _digest(sort_by_name(tools), sort_keys=True)
-    return ToolFingerprints(raw, ordered, full, chars)
+def _fingerprints(args: tuple[Sequence[Any], bytes]) -> ToolFingerprints:
+    tools, raw = args
+    ordered = xxhash.xxh3_64_intdigest(_dumps(tools, sort_keys=True))
+    full = xxhash.xxh3_64_intdigest(_dumps(sort_by_name(tools), sort_keys=True))
+    return ToolFingerprints(xxhash.xxh3_64_intdigest(raw), ordered, full, len(raw))
+
+
+def tool_fingerprints(tools: Sequence[Any], memo: DigestMemo[ToolFingerprints] | None = None,
+                      seed: int = 0) -> ToolFingerprints:
+    """Fingerprints of a tool list; C-speed (orjson), as this runs on every request with tools.
+
+    All three are functions of the raw JSON (the bytes of a parsed document determine
+    it), so with ``memo`` a tool list sent again costs one ``orjson.dumps`` and a
+    digest, not three dumps and a sort; ``seed`` keeps one tenant's entries apart
+    from another's. The result is the same with or without a memo.
+    """
+    raw = _dumps(tools)
+    if memo is None:
+        return _fingerprints((tools, raw))
+    return memo.get(xxhash.xxh3_128_intdigest(raw, seed), _fingerprints, (tools, raw))
