@@ -47,6 +47,7 @@ from bench.loadgen import build_request, percentile, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
 _TURNS = 256  # distinct user turns per prompt case
+_ADMIN_TOKEN = "overhead-bench-admin"
 _TOKENS_PER_WORD = 1.28  # system_prompt's words, measured with MiniLM's WordPiece tokenizer
 
 
@@ -79,6 +80,7 @@ class Target:
     policy: str | None = None
     workers: int = 1
     interpreted: bool = False  # routing from source, not compiled (routing._native)
+    admin_port: int = 0  # its admin API, read for what routing cost inside it (GET /admin/routing)
 
 
 def start_upstream(port: int) -> subprocess.Popen[bytes]:
@@ -94,7 +96,9 @@ def start_gateway(target: Target, upstream_port: int, replicas: int) -> subproce
     names = ["fast"] if replicas == 1 else [f"fast{i}" for i in range(replicas)]
     fleet = ", ".join(f"{{name: {n}, url: 'http://127.0.0.1:{upstream_port}', models: [sim-model]}}" for n in names)
     routing = f"routing: {{policy: {target.policy}}}\n" if target.policy else ""
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {target.port}}}\nadmin: {{enabled: false}}\n"
+    admin = (f"admin: {{port: {target.admin_port}, token: {_ADMIN_TOKEN}}}\n" if target.admin_port
+             else "admin: {enabled: false}\n")
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {target.port}}}\n{admin}"
                    f"replicas: [{fleet}]\n{routing}workers: {target.workers}\nlog_level: warning\n")
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], env=env)
     _wait_http(f"http://127.0.0.1:{target.port}/readyz")
@@ -236,12 +240,22 @@ def run_cells(args: argparse.Namespace, targets: list[Target], pids: dict[str, i
                     runs: dict[str, list[dict[str, float]]] = {t.label: [] for t in targets}
                     for _ in range(args.repeat):
                         for t in targets:
-                            runs[t.label].append(asyncio.run(measure(t.port, bodies, mode == "stream", c,
-                                                                     args.duration, pids.get(t.label), endpoint)))
+                            run = asyncio.run(measure(t.port, bodies, mode == "stream", c,
+                                                      args.duration, pids.get(t.label), endpoint))
+                            runs[t.label].append(run | _decision_cost(t))
                     cells = {label: _median(r) for label, r in runs.items()}
                     label = case if args.endpoints == ["chat"] else f"{case} · {endpoint}"
                     _print_cells(label, mode, c, cells, header)
                     header = False
+
+
+def _decision_cost(target: Target) -> dict[str, float]:
+    """What prefer + observe cost inside the kvgate over its last 1,024 requests (its own timing)."""
+    if not target.admin_port:
+        return {}
+    got = httpx.get(f"http://127.0.0.1:{target.admin_port}/admin/routing",
+                    headers={"authorization": f"Bearer {_ADMIN_TOKEN}"}, timeout=10).json()["decision_cost"]
+    return {"route_p50": got["p50_us"] or 0.0, "route_p99": got["p99_us"] or 0.0}
 
 
 def _print_cells(case: str, mode: str, c: int, cells: dict[str, dict[str, float]], header: bool) -> None:
@@ -256,6 +270,10 @@ def _print_cells(case: str, mode: str, c: int, cells: dict[str, dict[str, float]
         cpu = "" if label == "direct" else f"{v['cpu_us']:>10.0f}"
         print(f"{case:<26}{mode:<7}{c:>5}  {label:<34}{v['p50']:>9.3f}{v['p99']:>9.3f}{v['rps']:>8.0f} | "
               f"{added:<29} | {cpu:>10}{int(v['errors']):>7}", flush=True)
+    for label, v in cells.items():
+        if "route_p50" in v:
+            print(f"{'':<38}{label}: routing (prefer + observe) inside it p50 {v['route_p50']:.1f} µs, "
+                  f"p99 {v['route_p99']:.1f} µs")
     base = next((v for label, v in cells.items() if "round_robin" in label), None)
     for label, v in cells.items():
         if base is not None and label != "direct" and "round_robin" not in label:
@@ -291,9 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             name = f"kvgate {policy}" if policy else "kvgate"
             if args.workers != [1]:
                 name += f", {w} worker{'s' * (w > 1)}"
-            targets.append(Target(name, _free_port(), policy, w))
+            admin = _free_port() if policy else 0
+            targets.append(Target(name, _free_port(), policy, w, admin_port=admin))
             if args.interpreted and policy != "round_robin":
-                targets.append(Target(f"{name}, interpreted", _free_port(), policy, w, interpreted=True))
+                targets.append(Target(f"{name}, interpreted", _free_port(), policy, w, interpreted=True,
+                                      admin_port=_free_port()))
     procs = [start_upstream(up_port)]
     try:
         gateways = {t.label: start_gateway(t, up_port, args.replicas) for t in targets[1:]}

@@ -138,9 +138,11 @@ class ProxyEndpoint:
             replica = attempt.replica
             outcome = await self._forward(ctx, exchange, attempt)
             if self.endpoint != "count_tokens":  # counting prefills nothing: the replica holds no new blocks
+                started = time.perf_counter()
                 rt.policy.observe(route, RouteFeedback(
                     replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
                     outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None))
+                rt.decision_times.add(attempt.prefer_s + time.perf_counter() - started)
             stages.after_response(rt, ctx, replica.name, outcome)
             return replica.name, outcome
         finally:

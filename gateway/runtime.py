@@ -31,7 +31,7 @@ from .routing_sync import RoutingSync
 from .pool import PoolEvents, Replica, ReplicaPool, snapshot
 from .response_ids import ResponseIds, derive_id_key
 from .settings import Settings, load_settings
-from .stats import TenantStats
+from .stats import DecisionTimes, TenantStats
 from .tracing import Tracing
 from .trends import Trends
 from .transport import UPSTREAM_HEADERS, LeanTransport
@@ -110,6 +110,7 @@ class Runtime:
             boundary_marker=settings.routing.boundary_marker, scans=scan_memo())
         self.cache: SemanticCache | None = None
         self.tenant_stats = TenantStats()
+        self.decision_times = DecisionTimes()
         self.endpoint_stats = EndpointStats()
         self.trends = Trends(self.metrics, interval_s=settings.admin.trend_interval_s,
                              samples=settings.admin.trend_samples)
@@ -274,7 +275,9 @@ class Runtime:
         stats = getattr(self.policy, "stats", None)
         out: dict[str, Any] = {"policy": self.policy.name, "epsilon": self.settings.routing.epsilon,
                                # Whether the decision runs compiled (routing._native): half the cost.
-                               "compiled": routing_native.compiled()}
+                               "compiled": routing_native.compiled(),
+                               # prefer + observe per request, timed inside this process.
+                               "decision_cost": self.decision_times.summary()}
         if callable(stats):
             out.update(stats())
         out.update(self.routing_counts)

@@ -21,6 +21,9 @@ from routing.settings import RoutingSettings
 from semantic_cache.settings import SemanticCacheSettings
 
 ENV_PREFIX = "KVGATE_"
+# KVGATE_* variables that are not settings: the config file's path, and the switch that runs
+# routing from source rather than compiled (read at import, before any setting: routing._native).
+_NOT_SETTINGS = frozenset({"KVGATE_CONFIG", "KVGATE_INTERPRETED"})
 
 
 class _Section(BaseModel):
@@ -197,7 +200,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """KVGATE_A__B=v -> {"a": {"b": v}}; values are parsed as YAML scalars/lists."""
     out: dict[str, Any] = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == "KVGATE_CONFIG":
+        if not key.startswith(ENV_PREFIX) or key in _NOT_SETTINGS:
             continue
         path = key[len(ENV_PREFIX):].lower().split("__")
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -37,6 +38,8 @@ class Attempt:
     retries: int
     budget_held: int = 0
     pool: ReplicaPool | None = field(default=None, repr=False)
+    # What choosing the replica cost (the policy's ``prefer``), for the routing-cost figures.
+    prefer_s: float = 0.0
 
     @property
     def replica(self) -> Replica:
@@ -72,7 +75,9 @@ async def open_upstream(
         if not pool.known_model(route.model):
             raise NotFound(f"model '{route.model}' is not served here", param="model")
         raise NoReplica(f"no healthy replica serves model '{route.model}'")
+    started = time.perf_counter()
     order = policy.prefer(route, candidates)
+    prefer_s = time.perf_counter() - started
     timeout = {"connect": call.connect_timeout_s, "read": call.read_timeout_s, "write": call.connect_timeout_s,
                "pool": call.connect_timeout_s}
     retry_after: float | None = None
@@ -119,7 +124,8 @@ async def open_upstream(
                 continue
             if response.status_code >= 500:
                 pool.record_failure(replica, f"http_{response.status_code}")
-            attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool)
+            attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool,
+                              prefer_s=prefer_s)
             budget_held = 0
             return attempt
     finally:

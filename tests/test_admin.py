@@ -139,6 +139,16 @@ def test_tenant_lifecycle_and_key_rotation(stack: Stack, admin: httpx.Client) ->
     assert admin.get("/admin/tenants/beta").status_code == 404
 
 
+def test_routing_reports_what_its_decisions_cost_inside_the_gateway(stack: Stack, admin: httpx.Client) -> None:
+    before = admin.get("/admin/routing").json()["decision_cost"]["requests"]
+    client = openai.OpenAI(base_url=stack.base_url, api_key="sk-acme-1", max_retries=0)
+    for i in range(3):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=1)
+    cost = admin.get("/admin/routing").json()["decision_cost"]
+    assert cost["requests"] == min(before + 3, 1024)
+    assert 0 < cost["p50_us"] <= cost["p99_us"] < 1e6  # microseconds, timed: never zero, never seconds
+
+
 def test_routing_cache_hygiene_status_openapi(admin: httpx.Client) -> None:
     routing = admin.patch("/admin/routing", json={"policy": "prefix_affinity"}).json()
     assert routing["policy"] == "prefix_affinity" and routing["decisions"] == routing["left_home"] == 0

@@ -38,6 +38,11 @@ def test_env_overrides_file(tmp_path: Path) -> None:
     p.write_text(GOOD)
     s = load_settings(p, environ={"KVGATE_LISTEN__PORT": "9999", "KVGATE_ROUTING__POLICY": "round_robin"})
     assert s.listen.port == 9999 and s.routing.policy == "round_robin"
+    # Not settings: the switch that runs routing from source (routing._native) is no override.
+    s = load_settings(p, environ={"KVGATE_INTERPRETED": "1", "KVGATE_LISTEN__PORT": "9998"})
+    assert s.listen.port == 9998
+    with pytest.raises(ConfigError):
+        load_settings(p, environ={"KVGATE_INTERPRETD": "1"})  # a typo is still an unknown setting
 
 
 @pytest.mark.parametrize("text,field", [
