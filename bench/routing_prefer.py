@@ -13,10 +13,11 @@ policies are measured interleaved, request by request, so a busy machine slows
 them alike. The first ``--warmup`` requests are left out (the chain cache and
 the index fill). ``bench.overhead`` measures the same through a real kvgate.
 
-Inside kvgate a decision costs more than here (about 1.7x, timed inside a kvgate
-at load average 2): between two decisions the gateway's other work (parsing,
+Inside kvgate a decision costs more than here (about 1.6x: ``bench.overhead``
+prints what it costs inside each kvgate): between two decisions the gateway's other work (parsing,
 tenant policy, the transport) evicts the policy's code and data from the caches. ``--evict-mb N`` writes
-N MiB between requests (untimed) to show that cold figure in process.
+N MiB between requests (untimed) to show that cold figure in process. Routing runs
+compiled where it was built (``routing._native``); ``KVGATE_INTERPRETED=1`` measures the source.
 """
 
 from __future__ import annotations
