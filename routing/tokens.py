@@ -326,12 +326,14 @@ class HFTokenSource:
         items: list[Any] = []
         uncached = 0
         pending = start = 0  # text[pending:start] is short segments not yet handed on
+        salt = body.get("cache_salt")
+        scope = salt if isinstance(salt, str) else ""  # one namespace's entries (``SegmentCache.key``)
 
         def segment(begin: int, end: int) -> None:
             nonlocal uncached
             assert self.cache is not None
             piece = text[begin:end]
-            key = self.cache.key(piece)
+            key = self.cache.key(piece, scope)
             cached = self.cache.get(key)
             if cached is None:
                 items.append([piece, key])

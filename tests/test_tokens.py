@@ -405,6 +405,21 @@ def test_the_segment_cache_gives_the_ids_of_a_whole_tokenization(source: HFToken
     assert source.cache.hits > hits
 
 
+def test_tenants_never_share_a_tokenized_segment(source: HFTokenSource) -> None:
+    """A hit is faster than a tokenization: another namespace's prompt must not hit (a timing leak)."""
+    from bench.overhead import system_prompt
+
+    assert source.cache is not None
+    system = system_prompt(1400)
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]}
+    first = ids(source, "chat", {**body, "cache_salt": "tenant-a"})
+    hits, misses = source.cache.hits, source.cache.misses
+    assert ids(source, "chat", {**body, "cache_salt": "tenant-b"}) == first  # the same ids, tokenized anew
+    assert source.cache.hits == hits and source.cache.misses > misses
+    assert ids(source, "chat", {**body, "cache_salt": "tenant-a"}) == first
+    assert source.cache.hits > hits  # its own namespace's entry
+
+
 _chars = st.characters(blacklist_categories=("Cs",))
 _content = st.one_of(st.text(_chars, max_size=40), st.text(_chars, min_size=500, max_size=900),
                      st.sampled_from(["<|im_end|>", "a<|im_start|>b", " <|im_end|>\n", "[CLS] x [SEP]"]))
