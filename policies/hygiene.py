@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import xxhash
 
-from .memo import DigestMemo, digest
+from .memo import DigestMemo, digest, scope_seed
 
 Kind = Literal["timestamp", "date", "uuid", "hex_id", "base64_id", "request_id", "per_user_name",
                "tool_order", "tool_key_order"]
@@ -430,7 +430,7 @@ def analyze(body: Mapping[str, Any], *, boundary: int | None = None, marker: str
     texts = prefix_texts(body, boundary=boundary, marker=marker)
     below = chars_below(texts)
     budget = MAX_SCAN_CHARS
-    seed = xxhash.xxh3_64_intdigest(scope.encode("utf-8", "surrogatepass")) if memo is not None else 0
+    seed = scope_seed(scope) if memo is not None else 0
     warnings: list[PrefixWarning] = []
     for i, role, text in texts:
         if role not in roles or not text:

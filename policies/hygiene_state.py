@@ -39,7 +39,7 @@ from typing import Any
 import xxhash
 
 from .hygiene import CHARS_PER_TOKEN, SCANNED_ROLES, PrefixWarning, chars_below, excerpt, prefix_texts
-from .memo import DigestMemo
+from .memo import DigestMemo, scope_seed
 from .normalize import ToolFingerprints, tool_fingerprints
 
 _PROBE = 48  # characters that must agree after a differing span
@@ -179,8 +179,7 @@ class HygieneTracker:
     def _state(self, tenant: str) -> _TenantState:
         st = self._tenants.get(tenant)
         if st is None:
-            seed = xxhash.xxh3_64_intdigest(tenant.encode("utf-8", "surrogatepass"))
-            st = self._tenants[tenant] = _TenantState(seed, prompts=deque(maxlen=self._prompts))
+            st = self._tenants[tenant] = _TenantState(scope_seed(tenant), prompts=deque(maxlen=self._prompts))
             if len(self._tenants) > self._max_tenants:
                 self._tenants.popitem(last=False)
         else:

@@ -26,7 +26,7 @@ from typing import Generic, TypeVar
 
 import xxhash
 
-__all__ = ["DigestMemo", "digest"]
+__all__ = ["DigestMemo", "digest", "scope_seed"]
 
 A = TypeVar("A")
 V = TypeVar("V")
@@ -35,6 +35,11 @@ V = TypeVar("V")
 def digest(text: str, seed: int = 0) -> int:
     """128-bit digest of ``text`` (any str: lone surrogates pass through as in fingerprints)."""
     return xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"), seed)
+
+
+def scope_seed(scope: str) -> int:
+    """The seed that keeps one scope's (a tenant's, a namespace's) entries apart from every other's."""
+    return xxhash.xxh3_64_intdigest(scope.encode("utf-8", "surrogatepass"))
 
 
 class DigestMemo(Generic[V]):

@@ -92,9 +92,10 @@ def install() -> bool:
     """Decide, once per process before any compiled module is imported: compiled or from source."""
     if not _state:
         suffixes = importlib.machinery.EXTENSION_SUFFIXES
-        use = os.environ.get("KVGATE_INTERPRETED", "") in ("", "0") and fresh()
+        asked = os.environ.get("KVGATE_INTERPRETED", "") not in ("", "0")
+        use = not asked and fresh()
         if not use and any(_extension(_HERE, n, suffixes) for n in COMPILED):
-            if os.environ.get("KVGATE_INTERPRETED", "") in ("", "0"):
+            if not asked:
                 logging.getLogger("kvgate.routing").warning(
                     "routing's compiled modules were built from other sources: running it interpreted "
                     "(same decisions, slower); `make install` recompiles")

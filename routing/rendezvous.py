@@ -39,12 +39,12 @@ def replica_salt(name: str) -> int:
     return _xxh(name.encode("utf-8", "surrogatepass"), 0x6B76676174650001)
 
 
-def rendezvous_order(key: int, replicas: Sequence[R], salts: dict[str, int] | None = None) -> list[R]:
+def rendezvous_order(key: int, replicas: Sequence[R]) -> list[R]:
     """Replicas in the key's preference order, best first (ties, vanishingly rare, by name).
 
-    ``salts`` caches each name's salt across calls (the caller owns and bounds it).
+    The policies call it through ``Rendezvous``, which remembers orders and salts.
     """
-    positions = _scored(key, replicas, {} if salts is None else salts)
+    positions = _scored(key, replicas, {})
     return [replicas[i] for i in positions]
 
 
