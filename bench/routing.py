@@ -51,7 +51,7 @@ from routing.round_robin import RoundRobin
 from routing.base import RouteRequest
 
 from .routing_baselines import KubeAICHWBL, LLMDPrecise, LLMDScorers, SGLangCacheAware, SGLangEventDriven
-from .routing_reference import REFERENCE, BoundedReference
+from .routing_reference import REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED, BoundedReference, TTFTReference
 from .routing_report import Row, WorkloadReport, format_table, plot, write_json
 from .routing_sim import PolicyFactory, SimSettings, simulate
 from .workloads import ClosedLoop, Workload, mooncake, mtbench, shared_prefix, twin, unique
@@ -70,7 +70,11 @@ POLICIES: dict[str, PolicyFactory] = {
     "kubeai_chwbl": lambda clock: KubeAICHWBL(),
     "prefix_affinity": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
     REFERENCE: lambda clock: BoundedReference(),
+    TTFT_BOUNDED: lambda clock: TTFTReference(clock),
+    TTFT_UNBOUNDED: lambda clock: TTFTReference(clock, bounded=False),
 }
+# References that read the simulated replicas, not routers: off unless asked for.
+ORACLES = (TTFT_BOUNDED, TTFT_UNBOUNDED)
 # A fact published to a Redis stream reaches the other instances' blocking reads
 # about this much later (a loopback round trip and the publisher's batching).
 SHARE_DELAY_S = 0.05
@@ -218,7 +222,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="shared data folder (default ../shared/data)")
     p.add_argument("--quick", action="store_true", help="small workloads: a smoke test in seconds")
     p.add_argument("--workloads", nargs="+", default=["twin", "mtbench", "mooncake", "shared_prefix", "unique"])
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--policies", nargs="+", default=[p for p in POLICIES if p not in ORACLES], choices=list(POLICIES))
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--instances", type=int, default=4, help="gateway instances for the multi-instance rows")
     p.add_argument("--precise", nargs="*", default=list(PRECISE), choices=list(PRECISE),

@@ -19,16 +19,18 @@ that knows everything the replicas know.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from routing.base import ReplicaView, RouteFeedback, RouteRequest
 
 from .routing_sim import SimEngine, load_bound
 from .workloads import Request
 
-__all__ = ["BoundedReference", "REFERENCE"]
+__all__ = ["BoundedReference", "REFERENCE", "TTFTReference", "TTFT_BOUNDED", "TTFT_UNBOUNDED"]
 
 REFERENCE = "bounded_reference"
+TTFT_BOUNDED = "ttft_oracle"
+TTFT_UNBOUNDED = "ttft_oracle_unbounded"
 
 
 class BoundedReference:
@@ -53,6 +55,61 @@ class BoundedReference:
 
     def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
         raise TypeError("the bounded reference reads the simulated replicas: run it through bench.routing_sim")
+
+    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        return None
+
+
+class TTFTReference:
+    """The greedy time-to-first-token oracle: each request to the replica where it starts first.
+
+    Like the bounded reference it reads the simulated replicas, but it ranks
+    them by the time to first token the request would have there, exactly as
+    the simulator will give it if nothing else arrives: the rest of the prefill
+    under way, then one prefill step of everything waiting there and of this
+    request's own uncached tokens (each read from that replica's KV pool now).
+    Bounded, it chooses among the replicas under the same cap as the bounded
+    reference; unbounded, among all. It answers one question for the benchmark:
+    on a workload where an unbounded policy has a lower TTFT p95 than kvgate's,
+    is the bound what costs it? If the bounded oracle, which knows every queue
+    and every pool, cannot reach that p95 either while the unbounded one can,
+    no greedy router that keeps the bound can. (Greedy, like the other: it
+    does not plan, so it is not a proof over every bounded policy.)
+    """
+
+    def __init__(self, clock: Callable[[], float], bounded: bool = True, epsilon: float = 0.25) -> None:
+        self.clock = clock  # simulated time
+        self.name = TTFT_BOUNDED if bounded else TTFT_UNBOUNDED
+        self.bounded = bounded
+        self.epsilon = epsilon
+        # The time to first token it expected of each request it placed, in order.
+        self.predicted: list[float] = []
+
+    def choose_sim(self, request: Request, engines: Sequence[SimEngine],
+                   views: Sequence[ReplicaView]) -> list[ReplicaView]:
+        by_name = {e.name: e for e in engines}
+        loads = {v.name: by_name[v.name].load() for v in views}
+        bound = load_bound(sum(e.load() for e in engines) + 1, len(engines), self.epsilon)
+        hashes = list(request.kv_hashes)
+        size = engines[0].block_size if engines else 16
+        now = self.clock()
+
+        def ttft(e: SimEngine) -> float:
+            rest = max(0.0, e.prefill_end - now) if e.prefill else 0.0
+            ahead = sum(j.req.prompt_tokens - e.pool.match(list(j.req.kv_hashes)) * size for j in e.waiting)
+            own = request.prompt_tokens - e.pool.match(hashes) * size
+            return rest + e.timing.prefill_time(ahead + own)
+
+        def rank(v: ReplicaView) -> tuple[bool, float, int, str]:
+            fits = not self.bounded or loads[v.name] + 1 <= bound
+            return (not fits, ttft(by_name[v.name]) if fits else 0.0, loads[v.name], v.name)
+
+        order = sorted(views, key=rank)
+        self.predicted.append(ttft(by_name[order[0].name]))
+        return order
+
+    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        raise TypeError("the TTFT oracle reads the simulated replicas: run it through bench.routing_sim")
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         return None

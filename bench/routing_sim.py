@@ -172,6 +172,7 @@ class SimEngine:
         self.waiting: deque[_Job] = deque()
         self.running: list[tuple[float, int, _Job]] = []  # (decode progress at which it finishes, seq, job)
         self.prefill: list[_Job] = []
+        self.prefill_end = 0.0  # when the prefill under way ends (the TTFT references read it)
         self.progress = 0.0  # tokens decoded by every running sequence so far (processor sharing)
         self.decoding = False
         self.version = 0
@@ -389,7 +390,7 @@ class _Fleet:
         e.version += 1
         if batch:
             e.prefill, e.decoding = batch, False
-            done = now + e.timing.prefill_time(uncached)
+            done = e.prefill_end = now + e.timing.prefill_time(uncached)
             self.push(done, _STEP, e, e.version)
             events = e.pool.take_events()
             if events and self.index is not None:

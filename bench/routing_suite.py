@@ -33,6 +33,7 @@ Numbers also go to ``bench/out/routing_suite.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -43,14 +44,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .routing import POLICIES, calibrate, ideal_hit_ratio
-from .routing_reference import REFERENCE
+from .routing_reference import REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED
 from .routing_sim import SimSettings, simulate
 from .workloads import Workload
 from .workloads.generated import FAMILIES, Family, build, layout
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE_POLICIES = ["round_robin", "least_load", "consistent_hash", "sglang_cache_aware", "llm-d", "kubeai_chwbl",
-                  "prefix_affinity", REFERENCE]
+                  "prefix_affinity", REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED]
+# Oracles reading the simulated replicas: yardsticks, never counted among the policies.
+REFERENCES = (REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED)
 QUICK_SECONDS = 20.0
 MIN_REQUESTS, MAX_REQUESTS = 40, 40_000
 _PROBE = 150  # requests built to estimate a family's request rate before sizing the run
@@ -80,11 +83,15 @@ def requests_for(w: Workload, family: Family, settings: SimSettings, seconds: fl
     return max(MIN_REQUESTS, min(MAX_REQUESTS, int(n)))
 
 
-def run_one(job: tuple[str, int, float, tuple[str, ...]]) -> dict[str, Any]:
-    """One (family, seed): build it once, replay it through every policy."""
+def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0, kv_events: bool = False) -> dict[str, Any]:
+    """One (family, seed): build it once, replay it through every policy.
+
+    ``kv_tokens``: each replica's KV pool (0: the family's draw); ``kv_events``:
+    the replicas publish KV events, so kvgate's policy runs in precise mode."""
     name, seed, seconds, policies = job
     family = next(f for f in FAMILIES if f.name == name)
-    settings = SimSettings(replicas=family.replicas, kv_tokens=layout(family, seed).kv_tokens, seed=seed)
+    settings = SimSettings(replicas=family.replicas, kv_tokens=kv_tokens or layout(family, seed).kv_tokens, seed=seed,
+                           kv_events=kv_events)
     started, cpu = time.perf_counter(), time.process_time()
     n = requests_for(build(family, seed, _PROBE), family, settings, seconds)
     w = build(family, seed, n)
@@ -120,7 +127,7 @@ def best_p95(runs: list[dict[str, Any]], policy: str, tie: float) -> int:
     """Seeds on which ``policy``'s TTFT p95 is within ``tie`` of the lowest real policy's."""
     wins = 0
     for run in runs:
-        real = [r["ttft_p95_s"] for p, r in run["rows"].items() if p != REFERENCE]
+        real = [r["ttft_p95_s"] for p, r in run["rows"].items() if p not in REFERENCES]
         wins += run["rows"][policy]["ttft_p95_s"] <= min(real) * (1 + tie)
     return wins
 
@@ -151,7 +158,7 @@ def format_family(family: Family, runs: list[dict[str, Any]], policies: Sequence
             _cell([x["ttft_p95_s"] for x in rows], _ms),
             _cell([x["max_over_mean_requests"] for x in rows], lambda v: f"{v:.2f}"),
             _cell([x["max_in_flight_over_bound"] for x in rows], lambda v: f"{v:.2f}"),
-            "-" if p == REFERENCE else f"{best_p95(runs, p, tie)}/{len(runs)}",
+            "-" if p in REFERENCES else f"{best_p95(runs, p, tie)}/{len(runs)}",
         ])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for k, r in enumerate(table):
@@ -173,6 +180,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=SUITE_POLICIES, choices=list(POLICIES))
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     p.add_argument("--tie", type=float, default=0.05, help="TTFT p95 within this share of the best counts as a tie")
+    p.add_argument("--kv-tokens", type=int, default=0,
+                   help="each replica's KV pool in tokens (default: each family's draw, 0.5-1Mi)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="replicas publish KV events: prefix_affinity runs in precise mode")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     return p.parse_args(argv)
 
@@ -185,13 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(f.name, seed, min(f.seconds, QUICK_SECONDS) if args.quick else f.seconds, tuple(policies))
             for f in sorted(families, key=lambda f: -f.seconds) for seed in seeds]
     started = time.perf_counter()
+    one = functools.partial(run_one, kv_tokens=args.kv_tokens, kv_events=args.kv_events)
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(run_one, jobs))
+            results = list(pool.map(one, jobs))
     else:
-        results = [run_one(job) for job in jobs]
+        results = [one(job) for job in jobs]
     print("generated suite (reporting only: routing is not tuned on it); "
-          "bounded reference = greedy longest cached prefix under ceil(1.25 x mean in-flight)")
+          "bounded reference = greedy longest cached prefix under ceil(1.25 x mean in-flight); "
+          "ttft_oracle = greedy least time to first token read from the replicas, same cap "
+          "(_unbounded: no cap)")
+    if args.kv_tokens:
+        print(f"every replica's KV pool: {args.kv_tokens:,} tokens (--kv-tokens)")
+    if args.kv_events:
+        print("replicas publish KV events: prefix_affinity runs in precise mode (--kv-events)")
     for f in families:
         print(format_family(f, [r for r in results if r["family"] == f.name], policies, args.tie))
     args.out.mkdir(parents=True, exist_ok=True)

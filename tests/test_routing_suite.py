@@ -13,7 +13,7 @@ import pytest
 
 from bench import routing_suite
 from bench.routing import POLICIES, calibrate, ideal_hit_ratio
-from bench.routing_reference import REFERENCE
+from bench.routing_reference import REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED, TTFTReference
 from bench.routing_replay import Usage, replay
 from bench.routing_sim import RunStats, SimSettings, load_bound, simulate
 from bench.workloads import ClosedLoop, Request, Workload, chains
@@ -180,3 +180,38 @@ def test_quick_suite_runs(tmp_path: Path, capsys) -> None:
     assert {d["seed"] for d in data} == {1, 2}
     assert set(data[0]["rows"]) == {"round_robin", "prefix_affinity", REFERENCE}
     assert data[0]["rows"][REFERENCE]["of_reference"] == 1.0
+
+
+def test_the_ttft_oracle_knows_each_request_s_time_to_first_token_and_keeps_the_bound_only_when_asked() -> None:
+    # One client: every request finds nothing queued, so its time to first token
+    # is exactly the oracle's figure for where it sent it.
+    w = build(HEAVY, seed=1, n_requests=60)
+    made: list[TTFTReference] = []
+
+    def make(clock):
+        made.append(TTFTReference(clock))
+        return made[-1]
+
+    alone = simulate(w, make, SimSettings(replicas=4, kv_tokens=1 << 20, closed_loop=ClosedLoop(1)))
+    assert alone.ttfts == pytest.approx(made[-1].predicted, abs=1e-9)
+    assert len(set(round(t, 6) for t in alone.ttfts)) > 5  # cached prefixes make them differ
+    bounded, _ = _heavy_run(TTFT_BOUNDED)
+    assert bounded.over_bound == 0 and bounded.max_bound_ratio <= 1.0
+    unbounded, _ = _heavy_run(TTFT_UNBOUNDED)
+    assert unbounded.over_bound > 0
+
+
+def test_suite_pools_can_be_shrunk_and_replicas_can_publish_events(tmp_path: Path, capsys) -> None:
+    def run(*extra: str) -> dict:
+        assert routing_suite.main(["--quick", "--families", "heavy4-closed8", "--seeds", "1", "--jobs", "1",
+                                   "--policies", "prefix_affinity", "--out", str(tmp_path), *extra]) == 0
+        return json.loads((tmp_path / "routing_suite.json").read_text())[0]["rows"]["prefix_affinity"]
+
+    roomy = run()
+    small = run("--kv-tokens", "2048")
+    assert "every replica's KV pool: 2,048 tokens" in capsys.readouterr().out
+    # A pool smaller than the organisations' layers together evicts what the next request needs.
+    assert small["hit_ratio"] < roomy["hit_ratio"] - 0.05
+    precise = run("--kv-events")
+    assert "precise mode" in capsys.readouterr().out
+    assert precise["max_in_flight_over_bound"] <= 1.0 and precise["hit_ratio"] > 0.5
