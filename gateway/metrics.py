@@ -111,12 +111,20 @@ class _PolicyCollector(Collector):
         family = CounterMetricFamily("kvgate_routing_policy_decisions",
                                      "prefix_affinity's decisions: the key's home, or another replica by cost",
                                      labels=["policy", "outcome"])
+        overrides = CounterMetricFamily("kvgate_routing_bound_overrides",
+                                        "prefix_affinity's decisions where the replica its cost preferred was past "
+                                        "the load bound (routing.epsilon), so another took the request",
+                                        labels=["policy"])
         decisions, moved = getattr(policy, "decisions", None), getattr(policy, "moved", None)
+        bounded = getattr(policy, "bound_overrides", None)
+        name = str(getattr(policy, "name", "?"))
         if isinstance(decisions, int) and isinstance(moved, int):
-            name = str(getattr(policy, "name", "?"))
             family.add_metric([name, "home"], decisions - moved)
             family.add_metric([name, "left_home"], moved)
+        if isinstance(bounded, int):
+            overrides.add_metric([name], bounded)
         yield family
+        yield overrides
 
 
 class _KVEventsCollector(Collector):

@@ -143,9 +143,12 @@ class PrefixAffinity:
         # The mean prompt work of this instance's requests: what another client's
         # waiting request is taken to weigh.
         self._work_sum = 0.0
-        # Decisions, and how many left the key's home (for metrics and the benchmark).
+        # Decisions, how many left the key's home, and how many the bound decided: the
+        # replica the cost preferred was past it (for metrics: how often balance overrode
+        # affinity, the trade ``epsilon`` sets).
         self.decisions = 0
         self.moved = 0
+        self.bound_overrides = 0
         # Precise mode's source (set by the gateway when replicas publish KV events).
         self.truth: KVEvents | None = None
         self.precise_decisions = 0
@@ -185,6 +188,7 @@ class PrefixAffinity:
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided on its own."""
         out: dict[str, object] = {"decisions": self.decisions, "left_home": self.moved,
+                                  "bound_overrides": self.bound_overrides,
                                   "index_entries": len(self.index), "precise_decisions": self.precise_decisions}
         if self.gossip is not None:
             out["shared_facts"] = {"published": self.gossip.published, "applied": self.gossip.applied,
@@ -215,9 +219,12 @@ class PrefixAffinity:
         # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
         ranked = sorted([(cost[i], uncached[i], i) for i in range(len(order)) if fits[i]])
         picks = [t[2] for t in ranked]
-        if len(picks) < len(order):
+        refused = len(picks) < len(order)
+        if refused:
             picks += sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
         if learn:
+            if refused and not fits[min(range(len(order)), key=lambda i: (cost[i], uncached[i], i))]:
+                self.bound_overrides += 1  # the cost's choice was past the bound
             chosen = order[picks[0]]
             self._commit(request, info, route, chosen, uncached[picks[0]], order[0], depths)
             if keys and self.truth is not None:

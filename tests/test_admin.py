@@ -151,7 +151,8 @@ def test_routing_reports_what_its_decisions_cost_inside_the_gateway(stack: Stack
 
 def test_routing_cache_hygiene_status_openapi(admin: httpx.Client) -> None:
     routing = admin.patch("/admin/routing", json={"policy": "prefix_affinity"}).json()
-    assert routing["policy"] == "prefix_affinity" and routing["decisions"] == routing["left_home"] == 0
+    assert routing["policy"] == "prefix_affinity"
+    assert routing["decisions"] == routing["left_home"] == routing["bound_overrides"] == 0
     assert routing["compiled"] is _native.compiled()  # the build this process runs
     # Its former name still selects it.
     assert admin.patch("/admin/routing", json={"policy": "cost"}).json()["policy"] == "prefix_affinity"

@@ -14,6 +14,7 @@ from routing.least_load import LeastLoad
 from routing.prefix_affinity import PrefixAffinity
 from routing.rendezvous import rendezvous_order, within_bound
 from routing.round_robin import RoundRobin
+from gateway.metrics import _PolicyCollector
 
 # The benchmark's replica view is the same fake of routing.base.ReplicaView.
 from bench.routing_sim import SimView as View
@@ -209,3 +210,28 @@ def test_popularity_needs_repeated_evidence_before_a_prefix_is_wide() -> None:
     for k in range(1000):
         pop.first_narrow([2, 1000 + k], window, wide, record=True)
     assert len(pop) <= 100 and pop.share(2, window) > 0, "bounded memory; a key in every request stays"
+
+
+def test_decisions_the_bound_made_against_the_cost_are_counted() -> None:
+    # Short requests make a typical request cheap, so a warm replica with more in flight
+    # still costs less than a cold one would. One in flight everywhere: the cap is
+    # ceil(1.25 x 5 / 4) = 2 with this request, so the home takes it; with two there,
+    # ceil(1.25 x 6 / 4) = 2 again, the home is past it, and the bound decides.
+    policy, replicas = PrefixAffinity(clock=lambda: 1e9), fleet(4)  # backlogs long drained
+    for i in range(100):
+        serve(policy, turn(200_000 + i, 1, system="short"), replicas)
+    assert policy.bound_overrides == 0
+    long_system = "A long policy document that only this conversation carries. " * 400
+    home = policy.prefer(first := turn(7, 1, system=long_system), replicas)[0]
+    policy.observe(first, RouteFeedback(home.name, None, None, True))
+    for r in replicas:
+        r.in_flight = 1
+    assert policy.prefer(turn(7, 2, system=long_system), replicas)[0] is home  # within the bound: it stays
+    assert policy.bound_overrides == 0
+    home.in_flight = 2
+    moved = policy.prefer(turn(7, 2, system=long_system), replicas)[0]
+    assert moved is not home and policy.bound_overrides == 1
+    assert policy.stats()["bound_overrides"] == 1
+    # What /metrics exports of it.
+    samples = {s.name: s.value for family in _PolicyCollector(lambda: policy).collect() for s in family.samples}
+    assert samples["kvgate_routing_bound_overrides_total"] == 1
