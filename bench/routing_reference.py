@@ -33,18 +33,35 @@ TTFT_BOUNDED = "ttft_oracle"
 TTFT_UNBOUNDED = "ttft_oracle_unbounded"
 
 
-class BoundedReference:
-    name = REFERENCE
+class _Oracle:
+    """What the references share: the simulator's oracle hook, the fleet's loads and the cap."""
+
+    name = "oracle"
 
     def __init__(self, epsilon: float = 0.25) -> None:
         self.epsilon = epsilon
 
+    def _fleet(self, engines: Sequence[SimEngine],
+               views: Sequence[ReplicaView]) -> tuple[dict[str, SimEngine], dict[str, int], int]:
+        """Each replica's engine and in-flight by name, and the cap this request counts in."""
+        by_name = {e.name: e for e in engines}
+        loads = {v.name: by_name[v.name].load() for v in views}
+        return by_name, loads, load_bound(sum(e.load() for e in engines) + 1, len(engines), self.epsilon)
+
+    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        raise TypeError(f"{self.name} reads the simulated replicas: run it through bench.routing_sim")
+
+    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        return None
+
+
+class BoundedReference(_Oracle):
+    name = REFERENCE
+
     def choose_sim(self, request: Request, engines: Sequence[SimEngine],
                    views: Sequence[ReplicaView]) -> list[ReplicaView]:
         """Every replica in ``views``, the chosen one first (the simulator's oracle hook)."""
-        by_name = {e.name: e for e in engines}
-        loads = {v.name: by_name[v.name].load() for v in views}
-        bound = load_bound(sum(e.load() for e in engines) + 1, len(engines), self.epsilon)
+        by_name, loads, bound = self._fleet(engines, views)
         hashes = request.kv_hashes
 
         def rank(v: ReplicaView) -> tuple[int, int, int, str]:
@@ -53,14 +70,8 @@ class BoundedReference:
 
         return sorted(views, key=rank)
 
-    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
-        raise TypeError("the bounded reference reads the simulated replicas: run it through bench.routing_sim")
 
-    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
-        return None
-
-
-class TTFTReference:
+class TTFTReference(_Oracle):
     """The greedy time-to-first-token oracle: each request to the replica where it starts first.
 
     Like the bounded reference it reads the simulated replicas, but it ranks
@@ -78,18 +89,16 @@ class TTFTReference:
     """
 
     def __init__(self, clock: Callable[[], float], bounded: bool = True, epsilon: float = 0.25) -> None:
+        super().__init__(epsilon)
         self.clock = clock  # simulated time
         self.name = TTFT_BOUNDED if bounded else TTFT_UNBOUNDED
         self.bounded = bounded
-        self.epsilon = epsilon
         # The time to first token it expected of each request it placed, in order.
         self.predicted: list[float] = []
 
     def choose_sim(self, request: Request, engines: Sequence[SimEngine],
                    views: Sequence[ReplicaView]) -> list[ReplicaView]:
-        by_name = {e.name: e for e in engines}
-        loads = {v.name: by_name[v.name].load() for v in views}
-        bound = load_bound(sum(e.load() for e in engines) + 1, len(engines), self.epsilon)
+        by_name, loads, bound = self._fleet(engines, views)
         hashes = list(request.kv_hashes)
         size = engines[0].block_size if engines else 16
         now = self.clock()
@@ -100,16 +109,8 @@ class TTFTReference:
             own = request.prompt_tokens - e.pool.match(hashes) * size
             return rest + e.timing.prefill_time(ahead + own)
 
-        def rank(v: ReplicaView) -> tuple[bool, float, int, str]:
-            fits = not self.bounded or loads[v.name] + 1 <= bound
-            return (not fits, ttft(by_name[v.name]) if fits else 0.0, loads[v.name], v.name)
-
-        order = sorted(views, key=rank)
-        self.predicted.append(ttft(by_name[order[0].name]))
+        # Each eligible replica's figure, once; the others go last, least loaded first.
+        times = {v.name: ttft(by_name[v.name]) for v in views if not self.bounded or loads[v.name] + 1 <= bound}
+        order = sorted(views, key=lambda v: (v.name not in times, times.get(v.name, 0.0), loads[v.name], v.name))
+        self.predicted.append(times[order[0].name])
         return order
-
-    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
-        raise TypeError("the TTFT oracle reads the simulated replicas: run it through bench.routing_sim")
-
-    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
-        return None

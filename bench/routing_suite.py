@@ -83,7 +83,8 @@ def requests_for(w: Workload, family: Family, settings: SimSettings, seconds: fl
     return max(MIN_REQUESTS, min(MAX_REQUESTS, int(n)))
 
 
-def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0, kv_events: bool = False) -> dict[str, Any]:
+def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
+            kv_events: bool = False) -> dict[str, Any]:
     """One (family, seed): build it once, replay it through every policy.
 
     ``kv_tokens``: each replica's KV pool (0: the family's draw); ``kv_events``:

@@ -118,13 +118,17 @@ class SegmentCache:
         self.misses = 0
 
     @staticmethod
-    def key(segment: str, scope: str = "") -> bytes:
-        """The segment's key within ``scope``, the request's ``cache_salt`` (its tenant's namespace).
+    def seed(scope: str) -> int:
+        """The key seed of ``scope``, the request's ``cache_salt`` (its tenant's namespace); once a request.
 
         A hit saves milliseconds of tokenizing, so a cache shared across tenants would
         let one tenant time whether another sends a prompt: the very leak ``cache_salt``
         closes in vLLM. Each namespace has its own keys."""
-        seed = xxhash.xxh3_64_intdigest(scope.encode("utf-8", "surrogatepass")) if scope else 0
+        return xxhash.xxh3_64_intdigest(scope.encode("utf-8", "surrogatepass")) if scope else 0
+
+    @staticmethod
+    def key(segment: str, seed: int = 0) -> bytes:
+        """The segment's key under ``seed`` (``seed(scope)``)."""
         return xxhash.xxh3_128_digest(segment.encode("utf-8", "surrogatepass"), seed)
 
     def get(self, key: bytes) -> tuple[int, ...] | None:

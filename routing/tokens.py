@@ -327,13 +327,13 @@ class HFTokenSource:
         uncached = 0
         pending = start = 0  # text[pending:start] is short segments not yet handed on
         salt = body.get("cache_salt")
-        scope = salt if isinstance(salt, str) else ""  # one namespace's entries (``SegmentCache.key``)
+        seed = self.cache.seed(salt if isinstance(salt, str) else "")  # one namespace's entries
 
         def segment(begin: int, end: int) -> None:
             nonlocal uncached
             assert self.cache is not None
             piece = text[begin:end]
-            key = self.cache.key(piece, scope)
+            key = self.cache.key(piece, seed)
             cached = self.cache.get(key)
             if cached is None:
                 items.append([piece, key])
