@@ -136,8 +136,11 @@ def test_two_kvgates_sharing_redis_send_each_turn_where_the_first_went(redis_kin
         request.getfixturevalue("redis_cluster").url
     routing = {"policy": "prefix_affinity", "share_index": True}
     stack = start_stack(4, redis_url=url, routing=routing)
+    # The second instance scrapes the replicas as rarely as the first: a scrape that caught
+    # the first instance's request still running would make its replica look busy (past the
+    # bound, even), and the turn would go elsewhere for a reason that is not the facts'.
     second = ServerThread(build_app(load_settings(environ={}, overrides={
-        "redis_url": url, "routing": routing,
+        "redis_url": url, "routing": routing, "pool": stack.settings.pool.model_dump(),
         "replicas": [{"name": n, "url": stack.sim_url(n)} for n in stack.sims]}))).start()
     try:
         one = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0)
