@@ -75,10 +75,13 @@ LABEL org.opencontainers.image.title="kvgate" \
       org.opencontainers.image.description="OpenAI-compatible gateway for vLLM fleets" \
       org.opencontainers.image.licenses="Apache-2.0"
 
-# A numeric UID/GID: Kubernetes can only verify runAsNonRoot against a numeric USER.
+# A numeric UID/GID: Kubernetes can only verify runAsNonRoot against a numeric USER. The
+# tokenizer directory is the user's, so that a Docker volume mounted there (created from the
+# image's directory) is writable by `kvgate tokenizer` (docker-compose.yml's gpu profile).
 RUN groupadd --system --gid 10001 kvgate \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/kvgate --create-home \
-            --shell /usr/sbin/nologin kvgate
+            --shell /usr/sbin/nologin kvgate \
+ && install -d -o 10001 -g 10001 /var/lib/kvgate/tokenizer
 
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/config/image.yaml /etc/kvgate/kvgate.yaml

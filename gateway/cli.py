@@ -1,4 +1,4 @@
-"""The ``kvgate`` command: serve, demo, sim."""
+"""The ``kvgate`` command: serve, demo, sim, tokenizer."""
 
 from __future__ import annotations
 
@@ -91,6 +91,26 @@ def _sim(args: argparse.Namespace) -> int:
     return run(args) or 0
 
 
+def _tokenizer(args: argparse.Namespace) -> int:
+    from routing.tokenizer_files import FetchError, describe, fetch
+
+    try:
+        names = fetch(args.source, args.dir, revision=args.revision)
+        found = describe(args.dir)
+    except FetchError as e:
+        if args.optional:
+            # An init step that must not keep the gateway from starting: it then routes
+            # this model approximately, and /readyz and GET /admin/routing say so.
+            print(f"kvgate: warning: {e}; kvgate will route this model approximately", file=sys.stderr)
+            return 0
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 1
+    model = args.model or args.source
+    print(f"kvgate: {len(names)} tokenizer files in {args.dir} ({', '.join(names)}); {found}")
+    print(f"routing:\n  tokenizers: {{{model!r}: {str(args.dir)!r}}}   # the name clients send as model")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="OpenAI-compatible gateway for vLLM fleets")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--precise", action="store_true",
                       help="replicas publish KV events and tokenize as vLLM does; kvgate routes on the events")
     demo.set_defaults(func=_demo)
+    tok = sub.add_parser("tokenizer", help="fetch a model's tokenizer files (no weights) for routing.tokenizers")
+    tok.add_argument("source", help="a Hugging Face model id (downloaded) or a model directory (copied from)")
+    tok.add_argument("dir", help="where to put them (created if missing)")
+    tok.add_argument("--revision", help="a branch, tag or commit of the Hub repository")
+    tok.add_argument("--model", help="the model name clients send, for the printed config (default: SOURCE)")
+    tok.add_argument("--optional", action="store_true",
+                     help="a failed fetch warns and exits 0 (an init step that must not block the gateway)")
+    tok.set_defaults(func=_tokenizer)
     sim = sub.add_parser("sim", help="one simulated vLLM replica")
     from vllm_sim.cli import add_arguments
 

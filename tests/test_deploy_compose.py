@@ -125,6 +125,11 @@ def test_compose_depends_on_healthchecked_services() -> None:
         assert isinstance(deps, dict), f"{name}: use the long depends_on form with conditions"
         for dep, cond in deps.items():
             assert dep in svcs, f"{name} depends on unknown {dep}"
+            if cond["condition"] == "service_completed_successfully":
+                # A one-shot step (the tokenizer fetch): it runs once and exits.
+                assert svcs[dep].get("restart") == "no", f"{dep} is waited for to exit but restarts"
+                assert svcs[dep].get("healthcheck", {}).get("disable") is True, f"{dep}: a one-shot with a healthcheck"
+                continue
             assert cond["condition"] == "service_healthy", f"{name} -> {dep}"
             assert svcs[dep].get("healthcheck", {}).get("test"), f"{dep} has no healthcheck"
             # A default-profile service must not depend on a profiled one.
@@ -348,3 +353,25 @@ def test_deploy_readme_covers_the_artefacts() -> None:
     for needle in ("docker compose up", "--profile gpu", "kubectl apply -k", "sidecar", "shared",
                    "TORCH_INDEX_URL", *VLLM_FLAGS):
         assert needle in text, f"deploy/README.md does not mention {needle}"
+
+
+def test_compose_gpu_profile_is_wired_for_precise_routing() -> None:
+    """kvgate-gpu dials each vLLM replica's event and replay ports, keys blocks as vLLM sizes
+    them, and loads the tokenizer the one-shot step fetches for the default model."""
+    svcs = _services()
+    gw = svcs["kvgate-gpu"]
+    settings = load_settings(_mounted_compose_config(gw), environ={})
+    for r in settings.replicas:
+        host = urlsplit(r.url).hostname
+        args = [*svcs[host].get("entrypoint", []), *svcs[host]["command"]]
+        ev = _kv_events_config(args)
+        assert r.kv_events == ev["endpoint"].replace("*", host)
+        assert r.kv_events_replay == ev["replay_endpoint"].replace("*", host)
+        assert int(args[args.index("--block-size") + 1]) == settings.routing.block_size
+    fetch = svcs["tokenizer"]
+    served = svcs["vllm-1"]["command"][0]  # the model id, also the name clients send
+    assert fetch["entrypoint"][:3] == ["kvgate", "tokenizer", "--optional"] and fetch["entrypoint"][3] == served
+    directory = fetch["entrypoint"][4]
+    assert settings.routing.tokenizers == {served: directory}
+    assert f"tokenizer:{directory}" in fetch["volumes"] and f"tokenizer:{directory}:ro" in gw["volumes"]
+    assert fetch["environment"]["HF_HUB_OFFLINE"] == "0"

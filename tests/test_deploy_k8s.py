@@ -26,12 +26,13 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
+from gateway.cli import build_parser
 from gateway.settings import Settings
 from tests.support.deploy_files import (
     ADMIN_PORT, COMPOSE_FILE, CONFIGS, DEPLOY, DOCKERFILE, K8S, K8S_VERSIONS, PLACEHOLDER, PUBLIC_PORT,
     REAL_LOOKING, ROOT, SECRETISH, VLLM_FLAGS, _container_env, _containers, _drain_budget_s, _is_kvgate,
-    _kv_events_config, _kvgate_workloads, _labels_match, _load_config_text, _manifest_files, _manifests, _mid,
-    _mounted_kvgate_config, _of_kind, _pod_spec, _port_number, _prestop_sleep_s, _secrets,
+    _is_kvgate_image, _kv_events_config, _kvgate_workloads, _labels_match, _load_config_text, _manifest_files,
+    _manifests, _mid, _mounted_kvgate_config, _of_kind, _pod_spec, _port_number, _prestop_sleep_s, _secrets,
 )
 
 # --------------------------------------------------------------------- Kubernetes: schemas
@@ -361,11 +362,55 @@ def test_vllm_statefulset_flags_gpu_and_headless_service() -> None:
     for flag in VLLM_FLAGS:
         assert any(a == flag or a.startswith(flag + "=") for a in args), flag
     ev = _kv_events_config(args)
-    assert ev == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+    assert ev == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                  "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}
     assert c["resources"]["limits"]["nvidia.com/gpu"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports["http"] == 8000 and ports["kv-events"] == 5557
+    assert ports["http"] == 8000 and ports["kv-events"] == 5557 and ports["kv-replay"] == 5558
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"]["path"] == "/health"
     env = {e["name"]: e for e in c["env"]}
     assert "$(VLLM_MODEL)" in args and env["VLLM_MODEL"]["value"]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_the_shared_gateway_is_wired_for_precise_routing(tmp_path: Path) -> None:
+    """What precise mode needs, agreed across the manifests: the vLLM pods' event ports are the
+    ones kvgate dials, open in the Service and the NetworkPolicy; the block size is one; the
+    tokenizer fetched is the served model's, into the directory the ConfigMap names."""
+    _, sts = _one("StatefulSet", "vllm")
+    vllm = _pod_spec(sts)["containers"][0]
+    args = [*vllm.get("command", []), *vllm.get("args", [])]
+    ev = _kv_events_config(args)
+    _, dep = _one("Deployment", "shared")
+    pod = _pod_spec(dep)
+    gateway = _kvgate_of(dep)
+    routing = _load_config_text(_mounted_kvgate_config(pod, gateway), tmp_path).routing
+    port_names = {p["containerPort"]: p["name"] for p in vllm["ports"]}
+    kv = routing.kv_events
+    for endpoint, port in ((ev["endpoint"], kv.port), (ev["replay_endpoint"], kv.replay_port)):
+        assert endpoint == f"tcp://*:{port}"
+        name = port_names[port]
+        _, headless = _one("Service", "vllm")
+        assert any(p["port"] == port and p["targetPort"] == name for p in headless["spec"]["ports"])
+        _, pol = _one("NetworkPolicy", "vllm")
+        assert any(p["port"] == name for rule in pol["spec"]["ingress"] for p in rule["ports"])
+    assert int(_flag(args, "--block-size")) == routing.block_size
+    served = {e["name"]: e.get("value") for e in vllm["env"]}["VLLM_MODEL"]
+    assert list(routing.tokenizers) == [served]  # the name clients send: vLLM's served name
+    directory = routing.tokenizers[served]
+    # The init step fetches that model into that directory, on a volume the gateway reads.
+    init = next(c for c in pod["initContainers"] if c["name"] == "tokenizer")
+    assert _is_kvgate_image(init) and not _is_kvgate(init)
+    env = {e["name"]: e for e in init["env"]}
+    command = [a.replace("$(MODEL)", env["MODEL"]["value"]) for a in init["command"]]
+    parsed = build_parser().parse_args(command[1:])
+    assert (parsed.command, parsed.source, parsed.dir, parsed.optional) == ("tokenizer", served, directory, True)
+    assert env["HF_HUB_OFFLINE"]["value"] == "0" and env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"]
+    written = {m["name"] for m in init["volumeMounts"] if m["mountPath"] == directory and not m.get("readOnly")}
+    read = {m["name"] for m in gateway["volumeMounts"] if m["mountPath"] == directory}
+    assert written and written == read
+    assert {v["name"]: v for v in pod["volumes"]}[next(iter(read))].get("emptyDir") is not None

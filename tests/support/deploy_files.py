@@ -71,8 +71,15 @@ def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
     return list(pod.get("initContainers", [])) + list(pod.get("containers", []))
 
 
-def _is_kvgate(container: dict[str, Any]) -> bool:
+def _is_kvgate_image(container: dict[str, Any]) -> bool:
     return "/kvgate:" in container["image"] or container["image"].startswith("kvgate:")
+
+
+def _is_kvgate(container: dict[str, Any]) -> bool:
+    """A container that runs the gateway: kvgate's image with its own entrypoint (``kvgate serve``).
+    The same image with another command (the tokenizer init step) is not one."""
+    command = container.get("command")
+    return _is_kvgate_image(container) and (not command or command[:2] == ["kvgate", "serve"])
 
 
 def _kvgate_workloads() -> list[tuple[Path, dict[str, Any], dict[str, Any]]]:
