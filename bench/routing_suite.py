@@ -20,6 +20,10 @@ min / median / max over seeds of:
 
 * ``%ref``: fleet hit ratio as a share of the bounded reference's;
 * ``TTFT p95``;
+* ``KV wait`` (shown only where some run had any, as with a small ``--kv-tokens``):
+  of the requests at or past the TTFT p90, the mean time queued while their
+  replica's next request could not get KV blocks for its prompt and output
+  (its running requests held them). Prefill does not explain that part of a wait;
 * ``req m/m``: max/mean per-replica request counts over the run;
 * ``if/bound``: the max over routing decisions of the chosen replica's
   in-flight (this request included) over ceil(1.25 x mean in-flight);
@@ -109,6 +113,7 @@ def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
             "max_over_mean_requests": s.max_over_mean_requests, "max_in_flight_over_bound": s.max_bound_ratio,
             "decisions_over_bound": s.over_bound, "max_over_mean_load": s.max_over_mean_load,
             "sim_s": s.makespan, "max_in_flight": s.max_in_flight, "wall_s": s.wall_s,
+            "kv_wait_tail_s": s.kv_wait_tail(),
         }
     print(f"  {name} seed {seed}: {n} requests, {reference.makespan:.0f} s simulated, "
           f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
@@ -150,13 +155,17 @@ def format_family(family: Family, runs: list[dict[str, Any]], policies: Sequence
     lines.append(f"seeds {seeds}; requests {requests}; simulated {sim[0]:.0f}-{sim[2]:.0f} s; "
                  f"bounded reference hit {_cell([r['reference'] for r in runs], _f3)}; "
                  f"ideal {_cell([r['ideal'] for r in runs], _f3)}  (cells: min / median / max over seeds)")
-    header = ["policy", "%ref", "TTFT p95", "req m/m", "if/bound", "p95 best"]
+    # Waiting for KV blocks happens only where pools are small for the prompts (--kv-tokens):
+    # the column is shown when some run of the family did.
+    kv_wait = any(r["rows"][p].get("kv_wait_tail_s", 0.0) > 0 for r in runs for p in policies)
+    header = ["policy", "%ref", "TTFT p95", *(["KV wait"] if kv_wait else []), "req m/m", "if/bound", "p95 best"]
     table = [header]
     for p in policies:
         rows = [r["rows"][p] for r in runs]
         table.append([
             p, _cell([x["of_reference"] for x in rows], lambda v: f"{v:.2f}"),
             _cell([x["ttft_p95_s"] for x in rows], _ms),
+            *([_cell([x["kv_wait_tail_s"] for x in rows], _ms)] if kv_wait else []),
             _cell([x["max_over_mean_requests"] for x in rows], lambda v: f"{v:.2f}"),
             _cell([x["max_in_flight_over_bound"] for x in rows], lambda v: f"{v:.2f}"),
             "-" if p in REFERENCES else f"{best_p95(runs, p, tie)}/{len(runs)}",

@@ -208,10 +208,34 @@ def test_suite_pools_can_be_shrunk_and_replicas_can_publish_events(tmp_path: Pat
         return json.loads((tmp_path / "routing_suite.json").read_text())[0]["rows"]["prefix_affinity"]
 
     roomy = run()
+    assert "KV wait" not in capsys.readouterr().out  # roomy pools: nobody waits for blocks, no column
     small = run("--kv-tokens", "2048")
-    assert "every replica's KV pool: 2,048 tokens" in capsys.readouterr().out
-    # A pool smaller than the organisations' layers together evicts what the next request needs.
+    out = capsys.readouterr().out
+    assert "every replica's KV pool: 2,048 tokens" in out and "KV wait" in out
+    # A pool smaller than the organisations' layers together evicts what the next request needs,
+    # and the slowest requests wait for blocks the running ones hold.
     assert small["hit_ratio"] < roomy["hit_ratio"] - 0.05
+    assert roomy["kv_wait_tail_s"] == 0.0 < small["kv_wait_tail_s"]
     precise = run("--kv-events")
     assert "precise mode" in capsys.readouterr().out
     assert precise["max_in_flight_over_bound"] <= 1.0 and precise["hit_ratio"] > 0.5
+
+
+def test_kv_wait_is_the_time_queued_behind_a_request_holding_the_blocks() -> None:
+    # One replica whose pool holds one request's prompt and output at a time, and two unrelated
+    # prompts arriving together: the second waits for the first's prefill step (not a KV wait),
+    # then for its blocks, exactly while the first decodes and until it frees them.
+    def body(i: int) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": f"prompt {i}"}]}
+
+    reqs = [Request(rid=i, endpoint="chat", model="m", namespace="default", build=lambda i=i: body(i),
+                    prompt_tokens=128, output_tokens=16, kv_hashes=[bytes([i, b]) for b in range(8)], arrival=0.0)
+            for i in range(2)]
+    w = Workload("two", reqs, "two unrelated prompts")
+    stats = simulate(w, POLICIES["round_robin"], SimSettings(replicas=1, kv_tokens=160))
+    first, second = sorted(zip(stats.ttfts, stats.kv_waits))
+    assert first[1] == 0.0 and second[1] > 0
+    t = SimSettings().timing
+    decode = 15 * t.decode_step_time(1)  # its first token came with the prefill
+    assert second[1] == pytest.approx(decode, rel=1e-6)
+    assert second[0] == pytest.approx(t.prefill_time(128) + decode + t.prefill_time(128), rel=1e-6)
