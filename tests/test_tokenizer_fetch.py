@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,8 @@ from gateway.cli import main
 from gateway.settings import load_settings
 from routing.tokenization import Tokenization
 from routing.tokenizer_files import PATTERNS, wanted
+from tests.support.fake_hub import build_fake_hub
+from tests.support.servers import ServerThread
 from vllm_sim.tokenizer_dir import build_tokenizer_dir
 
 WEIGHTS = ("model.safetensors", "model-00001-of-00004.safetensors", "pytorch_model.bin", "consolidated.pth",
@@ -60,6 +65,29 @@ def test_fetching_again_into_the_same_directory_is_harmless(model_dir: Path, tmp
     before = {p.name: p.read_bytes() for p in dest.iterdir()}
     assert main(["tokenizer", str(model_dir), str(dest)]) == 0  # a restarted init container
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+
+
+def test_from_the_hub_it_downloads_the_tokenizer_files_and_never_asks_for_the_weights(
+        model_dir: Path, tmp_path: Path) -> None:
+    files = {p.relative_to(model_dir).as_posix(): p.read_bytes() for p in model_dir.rglob("*") if p.is_file()}
+    log: list[tuple[str, str]] = []
+    hub = ServerThread(build_fake_hub("acme/chat-1b", files, log)).start()
+    dest = tmp_path / "tok"
+    try:
+        # As the init container runs it: its own process, the Hub named by HF_ENDPOINT, the
+        # image's HF_HUB_OFFLINE=1 turned off for this step alone.
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")}
+        done = subprocess.run([sys.executable, "-m", "gateway.cli", "tokenizer", "acme/chat-1b", str(dest)],
+                              env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        hub.stop()
+    assert done.returncode == 0, done.stderr
+    assert "chat template renders" in done.stdout
+    got = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file() and ".cache" not in p.parts)
+    assert got == sorted(name for name in files if wanted(name))
+    fetched = {path.rsplit("/", 1)[-1] for method, path in log if method == "GET" and "/resolve/" in path}
+    assert fetched == set(got) and not any(w.rsplit("/", 1)[-1] in fetched for w in WEIGHTS)
+    assert not any(w in path for _, path in log for w in WEIGHTS)  # not even a HEAD
 
 
 def test_a_hub_id_while_offline_says_how_to_fix_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
