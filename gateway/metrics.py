@@ -138,20 +138,26 @@ class _KVEventsCollector(Collector):
         if fleet is None:
             return
         precise = GaugeMetricFamily("kvgate_kv_events_precise",
-                                    "1 while the replica's KV-event stream is live (precise routing), else 0",
-                                    labels=["replica"])
+                                    "1 while the replica is routed on its KV events (stream live, token ids "
+                                    "agreeing), else 0", labels=["replica"])
         received = CounterMetricFamily("kvgate_kv_events_received", "KV events received", labels=["replica"])
         gaps = CounterMetricFamily("kvgate_kv_events_gaps", "sequence gaps, by whether replay filled them",
                                    labels=["replica", "filled"])
         blocks = GaugeMetricFamily("kvgate_kv_events_index_blocks", "blocks the event index holds",
                                    labels=["replica"])
+        checks = CounterMetricFamily("kvgate_kv_events_token_checks",
+                                     "requests served at the replica whose last prompt block did or did not "
+                                     "appear in its events (did not: kvgate's token ids are not the replica's)",
+                                     labels=["replica", "appeared"])
         for name, stream in sorted(fleet.streams.items()):
-            precise.add_metric([name], 1.0 if stream.live else 0.0)
+            precise.add_metric([name], 1.0 if fleet.live(name) else 0.0)
+            checks.add_metric([name, "yes"], fleet.confirmed.get(name, 0))
+            checks.add_metric([name, "no"], fleet.unconfirmed.get(name, 0))
             received.add_metric([name], stream.events)
             gaps.add_metric([name, "yes"], stream.gaps_replayed)
             gaps.add_metric([name, "no"], stream.gaps - stream.gaps_replayed)
             blocks.add_metric([name], fleet.index.size(name))
-        yield from (precise, received, gaps, blocks)
+        yield from (precise, received, gaps, blocks, checks)
 
 
 class Metrics:

@@ -14,6 +14,16 @@ the request's prefix on every replica whose stream is ``live``. Replicas
 missing from the answer are routed on the approximate index; that is the
 degraded mode, reported in ``stats`` and ``degraded`` (``/readyz``), never an
 error.
+
+**Agreement.** Precise mode keys a request by the token ids kvgate computed
+for it, and a replica's events by the ids the replica stored. If they differ
+(a tokenizer or chat template other than the replica's, another revision, a
+model name mapped to the wrong directory), every lookup misses: each replica
+looks cold, which routes worse than the approximate index, and nothing else
+would say so. So each request served where it was sent is checked: its last
+prompt block must appear in that replica's events (``stale_s`` allowed for
+them). A replica none of whose last ``AGREEMENT_WINDOW`` checked requests
+appeared is routed approximately and named in ``degraded``, until one does.
 """
 
 from __future__ import annotations
@@ -34,6 +44,11 @@ __all__ = ["KVEvents", "Endpoints"]
 
 # (PUB endpoint, replay endpoint or None) per replica name.
 Endpoints = Mapping[str, "tuple[str, str | None]"]
+
+# Requests checked per replica before disagreement is declared. With the right token ids
+# nearly every request's blocks appear (an eviction before its event is the exception);
+# with the wrong ones none does: 16 in a row without one is not chance.
+AGREEMENT_WINDOW = 16
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +87,10 @@ class KVEvents:
         self._ctx: zmq.asyncio.Context | None = None
         self._pending: dict[int, list[_Pending]] = {}  # first block's key -> requests in flight
         self._queue: deque[_Pending] = deque()
+        # Per replica: whether each of the last requests served there showed up in its events.
+        self._checks: dict[str, deque[bool]] = {}
+        self.confirmed: dict[str, int] = {}
+        self.unconfirmed: dict[str, int] = {}
 
     # -- membership --------------------------------------------------------------------
     def sync(self, endpoints: Endpoints) -> None:
@@ -91,6 +110,7 @@ class KVEvents:
 
     def _drop(self, name: str) -> None:
         self.streams.pop(name, None)
+        self._checks.pop(name, None)
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()
@@ -111,7 +131,12 @@ class KVEvents:
     # -- what the cost model asks ----------------------------------------------------------
     def live(self, name: str) -> bool:
         stream = self.streams.get(name)
-        return stream is not None and stream.live
+        return stream is not None and stream.live and not self.disagrees(name)
+
+    def disagrees(self, name: str) -> bool:
+        """None of the last ``AGREEMENT_WINDOW`` requests served at ``name`` appeared in its events."""
+        checks = self._checks.get(name)
+        return checks is not None and len(checks) == AGREEMENT_WINDOW and not any(checks)
 
     def held(self, keys: Sequence[int], names: Iterable[str]) -> dict[str, float]:
         """Cached blocks of ``keys``' prefix per replica with a live stream (the others are absent)."""
@@ -123,7 +148,7 @@ class KVEvents:
         now = self._clock()
         for entry in list(self._pending.get(keys[0], ())):
             if entry.served and (entry.deadline < now or self.index.has(entry.name, entry.keys[-1])):
-                self._close(entry)  # its events arrived (or never will): the index speaks for it
+                self._settle(entry)  # its events arrived (or never will): the index speaks for it
             elif entry.open and entry.name in out:
                 depth = _common_prefix(keys, entry.keys)
                 if depth > out[entry.name]:
@@ -144,21 +169,43 @@ class KVEvents:
         self._queue.append(entry)
         return entry
 
-    def done(self, entry: Any, *, served: bool = False) -> None:
+    def done(self, entry: Any, *, served: bool = False, replica: str | None = None) -> None:
         """The request was served (or given up): its prefix is now the events' to report.
 
         Served, it stays presumed on its replica until the events show its last block, for
         up to ``stale_s``: a follow-up sent between the answer and late events (a busy
         publisher thread, a congested link) must not find the context gone and move. When
-        the events are in already, as usual, nothing lingers.
+        the events are in already, as usual, nothing lingers. ``replica``: the one that
+        served it, when known; served elsewhere (a retry), it checks nothing.
         """
         if not (isinstance(entry, _Pending) and entry.open):
+            return
+        if served and replica is not None and replica != entry.name:
+            self._close(entry)
             return
         if served and not self.index.has(entry.name, entry.keys[-1]):
             entry.deadline = min(entry.deadline, self._clock() + self.stale_s)
             entry.served = True
             return
+        if served:
+            self._check(entry.name, True)
         self._close(entry)
+
+    def _settle(self, entry: _Pending) -> None:
+        """A served request's events are in, or its time for them is up: one agreement check."""
+        self._check(entry.name, self.index.has(entry.name, entry.keys[-1]))
+        self._close(entry)
+
+    def _check(self, name: str, appeared: bool) -> None:
+        stream = self.streams.get(name)
+        if stream is None or stream.state != "live":
+            return  # events were not flowing: staleness, not disagreement, explains a miss
+        checks = self._checks.get(name)
+        if checks is None:
+            checks = self._checks[name] = deque(maxlen=AGREEMENT_WINDOW)
+        checks.append(appeared)
+        counts = self.confirmed if appeared else self.unconfirmed
+        counts[name] = counts.get(name, 0) + 1
 
     def _close(self, entry: _Pending) -> None:
         if entry.open:
@@ -173,15 +220,22 @@ class KVEvents:
         now = self._clock()
         queue = self._queue
         while queue and (not queue[0].open or queue[0].deadline < now):
-            self._close(queue.popleft())
+            entry = queue.popleft()
+            if entry.open and entry.served:
+                self._settle(entry)
+            else:
+                self._close(entry)
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         replicas = {}
         for name, stream in sorted(self.streams.items()):
             s = stream.stats()
-            replicas[name] = {"mode": "precise" if stream.live else "approximate", **s,
-                              "index": self.index.stats(name)}
+            replicas[name] = {"mode": "precise" if self.live(name) else "approximate", **s,
+                              "index": self.index.stats(name),
+                              "token_agreement": {"confirmed": self.confirmed.get(name, 0),
+                                                  "unconfirmed": self.unconfirmed.get(name, 0),
+                                                  "disagrees": self.disagrees(name)}}
         # "presumed": served requests whose events are not in yet, held on their replica (``done``).
         presumed = sum(1 for e in self._queue if e.open and e.served)
         return {"block_size": self.block_size, "index_blocks": len(self.index), "pending": len(self._queue),
@@ -193,6 +247,10 @@ class KVEvents:
         for name, stream in sorted(self.streams.items()):
             if not stream.live:
                 out.append(f"kv events {name}: {stream.state}, routed on the approximate index")
+            elif self.disagrees(name):
+                out.append(f"kv events {name}: none of the last {AGREEMENT_WINDOW} requests served there appeared in "
+                           "its events, so kvgate's token ids are not the replica's (routing.tokenizers: the "
+                           "tokenizer of the model it serves?); routed on the approximate index")
             idx = self.index.stats(name)
             if idx.get("skipped", 0) > idx.get("stored", 0):
                 # Mostly blocks of another size: the replica's --block-size is not routing.block_size.

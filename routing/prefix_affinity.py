@@ -163,7 +163,7 @@ class PrefixAffinity:
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         if self.truth is not None:
-            self.truth.done(request.scratch.pop(_PENDING, None), served=feedback.ok)
+            self.truth.done(request.scratch.pop(_PENDING, None), served=feedback.ok, replica=feedback.replica)
         mark = request.scratch.pop(_MARK, None)
         if mark is not None:
             self.backlog.done(mark[0], mark[1])

@@ -235,3 +235,43 @@ def test_messages_and_responses_requests_follow_the_replica_holding_their_tokens
         assert g.routing()["precise_decisions"] >= 6
     finally:
         g.stop()
+
+
+def test_token_ids_that_are_not_the_replicas_are_found_out_and_routed_approximately(
+        fleet: list[EventSim], tokenizer_dir: Path) -> None:
+    """kvgate tokenizes chat with the directory's tokenizer; these replicas render and tokenize
+    chat their own way (no --tokenizer), so the blocks they store are never the ones kvgate
+    looks up. Each replica is found out once its last 16 served requests all failed to appear
+    in its events; token-id prompts, which the replicas prefill as sent, agree and restore it."""
+    g = Gateway(fleet, tokenizer_dir, kv_events={"stale_s": 0.3})
+    try:
+        wait(lambda: all_precise(g))
+
+        def rows() -> dict[str, Any]:
+            return g.routing()["kv_events"]["replicas"]  # type: ignore[no-any-return]
+
+        def chat(i: int) -> None:
+            g.client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+                {"role": "system", "content": f"You are assistant number {i}, terse and exact."},
+                {"role": "user", "content": f"Question {i}: what does a KV cache keep between requests?"}])
+
+        sent = iter(range(10_000))
+        wait(lambda: chat(next(sent)) or all(r["token_agreement"]["disagrees"] for r in rows().values()),
+             timeout=30)
+        for r in rows().values():
+            assert r["mode"] == "approximate" and r["state"] == "live"  # the stream itself is fine
+            assert r["token_agreement"]["unconfirmed"] >= 16 and r["token_agreement"]["confirmed"] == 0
+        ready = g.readyz()
+        assert ready.status_code == 200  # still serving, only less precisely
+        metrics = httpx.get(g.server.url + "/metrics", timeout=5).text
+        for sim in fleet:
+            assert f'kvgate_kv_events_precise{{replica="{sim.name}"}} 0.0' in metrics
+            assert f'kvgate_kv_events_token_checks_total{{appeared="yes",replica="{sim.name}"}} 0.0' in metrics
+        assert sum("are not the replica's" in d for d in ready.json()["degraded"]) == len(fleet)
+        # Token ids the replicas prefill as sent: they appear, and each replica is precise again.
+        n = iter(range(10_000))
+        wait(lambda: g.send(token_prompt(500 + next(n), 3)) and all_precise(g), timeout=30)
+        assert all(r["token_agreement"]["confirmed"] >= 1 for r in rows().values())
+        assert not any("are not the replica's" in d for d in g.readyz().json()["degraded"])
+    finally:
+        g.stop()
