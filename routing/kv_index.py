@@ -7,9 +7,9 @@ and applies them here, so instances that share nothing hold the same index.
 Keys: vLLM's block hashes cannot be reproduced in general, so each
 ``BlockStored`` is re-keyed by kvgate's own chain over the token ids it carries
 (``routing.token_keys``; llm-d's design), continuing from the key of its parent
-block (the first block's chain starts from the event's ``cache_salt``). The map
-engine hash -> own key, kept per replica and tier, is what lets
-``BlockRemoved`` (which carries only engine hashes) apply. A stored block whose
+block (the first block's chain starts from the event's ``cache_salt`` and
+``lora_name``). The map engine hash -> own key, kept per replica and tier, is
+what lets ``BlockRemoved`` (which carries only engine hashes) apply. A stored block whose
 parent this index never saw cannot be keyed and is dropped (counted): it is
 unreachable by a prefix lookup anyway until its chain is stored again.
 
@@ -39,6 +39,7 @@ __all__ = ["KVEventIndex", "GPU"]
 
 GPU = "GPU"
 _MAX_REPLICAS = 64
+_MAX_ADAPTERS = 10_000
 
 
 @dataclass(slots=True)
@@ -66,6 +67,10 @@ class KVEventIndex:
         self._gpu: dict[int, int] = {}  # own key -> bitmask of replicas holding it on the GPU
         self._low: dict[int, int] = {}  # ... in a lower tier
         self._replicas: dict[str, _Replica] = {}
+        # The LoRA adapters' names the events showed: a request naming one is keyed under it
+        # (``token_keys``), since its blocks are not its base model's. Bounded: past it, a new
+        # adapter's requests are keyed as its base model's, which costs misses, never answers.
+        self.adapters: set[str] = set()
 
     # -- membership -----------------------------------------------------------------
     def _replica(self, name: str) -> _Replica:
@@ -119,8 +124,10 @@ class KVEventIndex:
         if bs != self.block_size or len(e.token_ids) != bs * len(e.block_hashes):
             st.skipped += len(e.block_hashes)
             return
+        if e.lora_name is not None and e.lora_name not in self.adapters and len(self.adapters) < _MAX_ADAPTERS:
+            self.adapters.add(e.lora_name)
         if e.parent is None:
-            parent = root_key(e.salt)
+            parent = root_key(e.salt, e.lora_name)
         else:
             found = None
             for m in st.maps.values():

@@ -123,8 +123,9 @@ def _event(raw: Any) -> Event | None:
             raise WireError("token_ids must be a list of ints")  # their type is checked where they are keyed
         if not isinstance(size, int) or size < 1:
             raise WireError("block_size must be a positive int")
-        return Stored(hashes, parent, tuple(tokens), size, _medium(f.get("medium")), _salt(f.get("extra_keys")),
-                      f.get("lora_name") if isinstance(f.get("lora_name"), str) else None)
+        lora = f.get("lora_name") if isinstance(f.get("lora_name"), str) else None
+        return Stored(hashes, parent, tuple(tokens), size, _medium(f.get("medium")), _salt(f.get("extra_keys"), lora),
+                      lora)
     if tag == "BlockRemoved":
         f = _fields(raw, _REMOVED)
         return Removed(_hashes(f.get("block_hashes")), _medium(f.get("medium")))
@@ -145,13 +146,15 @@ def _medium(raw: Any) -> str:
     return raw.upper() if isinstance(raw, str) and raw else "GPU"
 
 
-def _salt(extra: Any) -> str | None:
+def _salt(extra: Any, lora: str | None = None) -> str | None:
     """The cache_salt among the first block's extra keys: vLLM puts it after LoRA and multimodal keys.
 
-    Untagged on the wire, it is the one plain string in that block's keys
-    (a LoRA name is also a string, but ``lora_name`` names it, so it is skipped).
+    Untagged on the wire, it is the plain string after the adapter's: a LoRA
+    request's keys start with its name (``lora_name``), which is skipped.
     """
     if not isinstance(extra, list) or not extra or not isinstance(extra[0], (list, tuple)):
         return None
     strings = [k for k in extra[0] if isinstance(k, str)]
+    if lora is not None and strings and strings[0] == lora:
+        strings = strings[1:]
     return strings[-1] if strings else None

@@ -249,8 +249,11 @@ class PrefixAffinity:
         if keys is None:
             tokens = request.token_ids
             salt = request.body.get("cache_salt")
-            keys = block_keys(tokens, self.truth.block_size, salt if isinstance(salt, str) else None) \
-                if tokens else []
+            # A LoRA adapter's blocks are not its base model's (routing.token_keys): keyed under
+            # its name once the events have shown one, as vLLM names it (the model requested).
+            lora = request.model if request.model in self.truth.index.adapters else None
+            keys = block_keys(tokens, self.truth.block_size, salt if isinstance(salt, str) else None,
+                              lora=lora) if tokens else []
             request.scratch[_KEYS] = keys
         return keys  # type: ignore[no-any-return]
 

@@ -39,6 +39,7 @@ from vllm_sim.tokenizer_dir import build_tokenizer_dir
 BS = 16
 SECRET = "kv-events-test-secret"
 SALT = cache_salt("default", SECRET)  # the open-mode tenant's salt, which kvgate sets on every request
+ADAPTER = "sql-lora"  # a LoRA adapter served on MODEL
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +276,39 @@ def test_token_ids_that_are_not_the_replicas_are_found_out_and_routed_approximat
         assert not any("are not the replica's" in d for d in g.readyz().json()["degraded"])
     finally:
         g.stop()
+
+
+def test_a_lora_adapters_requests_follow_its_own_blocks_not_its_base_models(tokenizer_dir: Path) -> None:
+    """vLLM hashes every block of an adapter's request with the adapter, so the same prompt under
+    the adapter and under the base model shares nothing. kvgate keys them apart once the events
+    have named the adapter: each request goes to the replica holding its own blocks."""
+    sims = [EventSim(f"r{i}", lora_modules=((ADAPTER, "/adapters/sql"),)).start() for i in range(1, 4)]
+    g = Gateway(sims, tokenizer_dir, tokenizers={MODEL: str(tokenizer_dir), ADAPTER: str(tokenizer_dir)})
+    try:
+        wait(lambda: all_precise(g))
+        kv = g.rt.kv_events
+        assert kv is not None
+        for n, (base_at, lora_at) in enumerate([(0, 1), (1, 2), (2, 0)]):
+            ids = token_prompt(900 + n, 6)
+            anyio.run(sims[base_at].complete, ids, SALT)
+            anyio.run(lambda ids=ids, at=lora_at: sims[at].complete(ids, SALT, model=ADAPTER))
+            blocks = len(ids) // BS
+            base, lora = block_keys(ids, BS, SALT), block_keys(ids, BS, SALT, lora=ADAPTER)
+            wait(lambda base=base, lora=lora, b=sims[base_at].name, a=sims[lora_at].name, k=blocks:
+                 kv.index.held(base, [b])[b] == k and kv.index.held(lora, [a])[a] == k)
+            assert ADAPTER in kv.index.adapters
+            # Each replica holds one of the two: the other's blocks are not there.
+            assert kv.index.held(lora, [sims[base_at].name])[sims[base_at].name] == 0
+            assert kv.index.held(base, [sims[lora_at].name])[sims[lora_at].name] == 0
+            for model, holder in ((ADAPTER, lora_at), (MODEL, base_at)):
+                raw = g.client.completions.with_raw_response.create(model=model, prompt=ids, max_tokens=1)
+                assert raw.headers["x-kvgate-replica"] == sims[holder].name, (n, model)
+                # It found its own blocks there: all of them (vLLM recomputes a last block that is all cached).
+                cached = raw.parse().usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+                assert cached == (len(ids) - 1) // BS * BS, (n, model)
+                time.sleep(0.05)  # this instance's own prefill backlog drains (routing.backlog)
+        assert ADAPTER in {m["id"] for m in httpx.get(g.server.url + "/v1/models", timeout=5).json()["data"]}
+    finally:
+        g.stop()
+        for s in sims:
+            s.stop()

@@ -61,6 +61,14 @@ def test_decodes_tagged_maps_and_legacy_arrays_alike() -> None:
     assert decode_batch(legacy) == want
 
 
+def test_an_adapters_name_is_not_taken_for_the_salt() -> None:
+    # vLLM's untagged keys of a LoRA request's first block: its name, then the salt if any.
+    for extra, salt in (([["sql", "acme"], ["sql"]], "acme"), ([["sql"], ["sql"]], None)):
+        raw = msgpack.packb([1.0, [_stored_map(extra_keys=extra, lora_name="sql")], 0])
+        (stored,) = decode_batch(raw).events
+        assert isinstance(stored, Stored) and (stored.salt, stored.lora_name) == (salt, "sql")
+
+
 def test_bytes_hashes_and_unknown_event_types_and_map_batches() -> None:
     h = bytes(range(32))
     raw = msgpack.packb({"ts": 2.0, "events": [_stored_map(block_hashes=[h], token_ids=[1, 2, 3, 4]),
@@ -133,6 +141,9 @@ def test_lower_tier_blocks_count_at_their_weight_and_overflow_clears() -> None:
     assert len(small) == 0 and small.stats("a")["overflows"] == 1
 
 
+SQL = ("sql-lora", "/adapters/sql")
+
+
 # -- the simulator's pool, seen through its own events --------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31), st.sampled_from([False, True]), st.sampled_from(["sim", "vllm"]))
@@ -143,8 +154,8 @@ def test_replaying_the_pools_events_gives_the_index_exactly_what_the_pool_holds(
     if hashing == "vllm":
         from vllm_sim.vllm_hash import vllm_block_hashes
 
-        def hasher(t, bs, salt):  # type: ignore[no-untyped-def]
-            return vllm_block_hashes(t, bs, salt, "0")
+        def hasher(t, bs, salt, lora):  # type: ignore[no-untyped-def]
+            return vllm_block_hashes(t, bs, salt, "0", lora)
     pool = KVPool(24, BS, events=True, hasher=hasher)
     idx = KVEventIndex(BS)
     stems = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
@@ -153,8 +164,9 @@ def test_replaying_the_pools_events_gives_the_index_exactly_what_the_pool_holds(
     for _ in range(25):
         prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
         salt = rng.choice([None, None, "t1"])
-        hashes = pool.hash_prompt(prompt, salt)
-        alloc = pool.allocate(hashes, len(prompt), prompt, salt)
+        lora = rng.choice([None, None, SQL])  # a LoRA adapter's blocks are apart from its base model's
+        hashes = pool.hash_prompt(prompt, salt, lora)
+        alloc = pool.allocate(hashes, len(prompt), prompt, salt, lora[0] if lora else None)
         if alloc is not None:
             held.append(alloc)
         if held and (alloc is None or rng.random() < 0.6):
@@ -166,5 +178,7 @@ def test_replaying_the_pools_events_gives_the_index_exactly_what_the_pool_holds(
             idx.apply("r", decode_batch(encode_batch(events, BS, legacy=legacy, int_hashes=as_int)))
         for stem in stems:
             for s in (None, "t1"):
-                want = pool.match(pool.hash_prompt(stem, s))
-                assert idx.held(block_keys(stem, BS, s), ["r"]) == {"r": float(want)}
+                for adapter in (None, SQL):
+                    want = pool.match(pool.hash_prompt(stem, s, adapter))
+                    name = adapter[0] if adapter else None
+                    assert idx.held(block_keys(stem, BS, s, lora=name), ["r"]) == {"r": float(want)}

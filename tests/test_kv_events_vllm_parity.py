@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import anyio
+import msgpack
 import pytest
 
 from routing.kv_events import KVEvents
@@ -77,21 +78,42 @@ def probe() -> Iterator[Probe]:
         p.close()
 
 
-def _cases() -> list[dict[str, Any]]:
+SQL = ("sql-lora", "/adapters/sql")
+
+
+def _cases(loras: tuple[tuple[str, str] | None, ...] = (None,)) -> list[dict[str, Any]]:
     rng = random.Random(16)
     out = []
-    for salt in (None, "acme", "tenant-ü/2"):
-        for n in (BS - 1, BS, 3 * BS + 5, 40 * BS):
-            out.append({"ids": [rng.randrange(0, 150_000) for _ in range(n)], "salt": salt, "block_size": BS})
+    for lora in loras:
+        for salt in (None, "acme", "tenant-ü/2"):
+            for n in (BS - 1, BS, 3 * BS + 5, 40 * BS):
+                out.append({"ids": [rng.randrange(0, 150_000) for _ in range(n)], "salt": salt, "block_size": BS,
+                            "lora": lora})
     return out
 
 
-def test_sim_block_hashes_equal_vllms_for_the_same_tokens_and_salt(probe: Probe) -> None:
-    cases = _cases()
+def test_sim_block_hashes_equal_vllms_for_the_same_tokens_salt_and_adapter(probe: Probe) -> None:
+    cases = _cases((None, SQL))
     theirs = probe.ask(op="hash", cases=cases)
-    ours = [[h.hex() for h in vllm_block_hashes(c["ids"], BS, c["salt"], "0")] for c in cases]
+    ours = [[h.hex() for h in vllm_block_hashes(c["ids"], BS, c["salt"], "0", c["lora"])] for c in cases]
     assert ours == theirs
     assert any(len(h) == 40 for h in theirs) and any(len(h) == 0 for h in theirs)
+    half = len(cases) // 2  # the same prompts under the adapter share no block with the base model's
+    assert all(not set(a) & set(b) for a, b in zip(theirs[:half], theirs[half:]))
+
+
+def test_sim_events_carry_vllms_extra_keys_for_salts_and_adapters(probe: Probe) -> None:
+    cases = [c for c in _cases((None, SQL)) if len(c["ids"]) >= BS]
+    theirs = probe.ask(op="event_keys", cases=cases)
+    for case, keys in zip(cases, theirs):
+        lora = case["lora"]
+        pool = KVPool(64, BS, events=True, hasher=lambda t, bs, s, a: vllm_block_hashes(t, bs, s, "0", a))
+        ids = case["ids"]
+        pool.allocate(pool.hash_prompt(ids, case["salt"], lora), len(ids), ids, case["salt"],
+                      lora[0] if lora else None)
+        stored = msgpack.unpackb(encode_batch(pool.take_events(), BS))[1][0]
+        assert stored["extra_keys"] == keys, case
+        assert stored["lora_name"] == (lora[0] if lora else None)
 
 
 def test_the_default_seed_is_vllms_when_pythonhashseed_is_unset(probe: Probe) -> None:
@@ -107,7 +129,7 @@ def test_the_default_seed_is_vllms_when_pythonhashseed_is_unset(probe: Probe) ->
 
 
 def test_sim_event_bytes_decode_with_vllms_structs(probe: Probe) -> None:
-    pool = KVPool(6, BS, events=True, hasher=lambda t, bs, s: vllm_block_hashes(t, bs, s, "0"))
+    pool = KVPool(6, BS, events=True, hasher=lambda t, bs, s, lora: vllm_block_hashes(t, bs, s, "0", lora))
     a = list(range(1, 3 * BS + 1))
     pool.release(pool.allocate(pool.hash_prompt(a, "acme"), len(a), a, "acme"))  # type: ignore[arg-type]
     b = list(range(100, 100 + 4 * BS))

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--model", "--served-model-name", dest="model", action="append", metavar="NAME",
                         help=f"served model name; repeat for several (default {d.model})")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters served on the model, as vLLM's flag (no weights: only the name and "
+                             "path, which go into the adapter's block hashes)")
     parser.add_argument("--name", default=d.name, help="replica name, sent as the x-sim-replica header")
     parser.add_argument("--kv-blocks", "--num-gpu-blocks", dest="kv_blocks", type=int,
                         default=d.num_gpu_blocks, help="KV cache size in blocks")
@@ -72,6 +75,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send each KV event batch this long after its step ended (events arriving late)")
 
 
+def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules: {spec!r} is not NAME=PATH")
+        out.append((name, path))
+    return tuple(out)
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     models = args.model or [SimConfig().model]
     timing = TimingModel(
@@ -89,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
     return SimConfig(
         host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]), tokenizer=args.tokenizer,
+        lora_modules=_lora_modules(args.lora_modules),
         num_gpu_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
         timing=timing, embedding_dim=args.embedding_dim, faults=faults, name=args.name, seed=args.seed,
         kv_hash=args.kv_hash, hash_seed=args.hash_seed, kv_events=args.kv_events,

@@ -18,6 +18,10 @@ class SimConfig:
     # Served model names; the first is the primary (vLLM's --served-model-name accepts several).
     model: str = "sim-model"
     extra_models: tuple[str, ...] = ()
+    # LoRA adapters served on top of the primary model, (name, path) each, as vLLM's
+    # --lora-modules name=path: listed in /v1/models with it as parent, and a request
+    # naming one hashes every block with the adapter (vllm_sim.vllm_hash).
+    lora_modules: tuple[tuple[str, str], ...] = ()
     num_gpu_blocks: int = 8192
     block_size: int = 16
     max_model_len: int = 32768
@@ -57,4 +61,9 @@ class SimConfig:
 
     @property
     def models(self) -> tuple[str, ...]:
-        return (self.model, *self.extra_models)
+        """Every name a request may give: the served names, then the adapters'."""
+        return (self.model, *self.extra_models, *(name for name, _ in self.lora_modules))
+
+    def lora(self, model: str) -> tuple[str, str] | None:
+        """The adapter a model name selects, or None for a base model name."""
+        return next(((n, p) for n, p in self.lora_modules if n == model), None)

@@ -56,6 +56,8 @@ class GenRequest:
     # Wall-clock seconds the request is held before it joins the queue (the
     # stall_before_first_token fault): it counts as waiting and aborts like one.
     hold_s: float = 0.0
+    # The LoRA adapter the request names, as (name, path): it goes into every block's hash.
+    lora: tuple[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -180,7 +182,7 @@ class Engine:
         if request.n < 1:
             raise ValueError("n must be >= 1")
         self.check_prompt(len(request.prompt_tokens))
-        hashes = self.pool.hash_prompt(request.prompt_tokens, request.cache_salt)
+        hashes = self.pool.hash_prompt(request.prompt_tokens, request.cache_salt, request.lora)
         gen = Generation(request, hashes)
         seqs = []
         for index in range(request.n):
@@ -262,8 +264,9 @@ class Engine:
         while self._waiting and len(self._running) < self.timing.max_num_seqs:
             seq = self._waiting[0]
             gen = seq.gen
+            lora = gen.request.lora
             allocation = self.pool.allocate(gen.hashes, gen.prompt_tokens, gen.request.prompt_tokens,
-                                            gen.request.cache_salt)
+                                            gen.request.cache_salt, lora[0] if lora else None)
             if allocation is None:
                 break  # FCFS: the head waits for blocks; nobody overtakes it
             self._waiting.popleft()

@@ -151,7 +151,7 @@ class GenerationEndpoint:
             raise wire.ApiError(400, str(exc), param="prompt") from None
         rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         request = GenRequest(rid, tokens, max_tokens, params.n, params.cache_salt,
-                             hold_s=faults.stall_before_first_token_s)
+                             hold_s=faults.stall_before_first_token_s, lora=config.lora(params.model))
         return request, self._format(params, request), params.stream
 
     async def _stream(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:

@@ -34,22 +34,30 @@ from typing import Callable, Sequence, Union
 __all__ = ["block_hashes", "KVPool", "Allocation", "Hasher", "Stored", "Removed", "Cleared", "PoolEvent"]
 
 # (token ids, block size, salt) -> one hash per full block.
-Hasher = Callable[[Sequence[int], int, Union[str, None]], list[bytes]]
+# (token ids, block size, cache_salt, LoRA adapter as (name, path) or None) -> full-block hashes.
+Lora = Union[tuple[str, str], None]
+Hasher = Callable[[Sequence[int], int, Union[str, None], Lora], list[bytes]]
 
 _ROOT = b"vllm_sim:root"
 _DIGEST = 16
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int = 16, salt: str | None = None) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int = 16, salt: str | None = None,
+                 lora: Lora = None) -> list[bytes]:
     """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none).
 
-    An empty ``salt`` counts as no salt (vLLM rejects an empty ``cache_salt``).
+    An empty ``salt`` counts as no salt (vLLM rejects an empty ``cache_salt``). A LoRA
+    adapter goes into every block, as vLLM's extra keys put it: the same prompt under an
+    adapter and under the base model shares no block.
     """
+    tag = b"\x00lora\x00" + lora[0].encode() + b"\x00" + lora[1].encode() if lora else b""
     out: list[bytes] = []
     parent = _ROOT
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         h = blake2b(parent, digest_size=_DIGEST)
         h.update(struct.pack(f"<{block_size}q", *token_ids[start : start + block_size]))
+        if tag:
+            h.update(tag)
         if start == 0 and salt:
             # The separator keeps a salt from colliding with token bytes.
             h.update(b"\x00salt\x00" + salt.encode())
@@ -67,6 +75,8 @@ class Stored:
     token_ids: tuple[int, ...]
     # The salt went into the first block's hash (the run starts at block 0).
     salt: str | None
+    # The LoRA adapter's name, which went into every block's hash (vLLM's lora_name).
+    lora: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,9 +145,9 @@ class KVPool:
     def records_events(self) -> bool:
         return self._events is not None
 
-    def hash_prompt(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
+    def hash_prompt(self, token_ids: Sequence[int], salt: str | None = None, lora: Lora = None) -> list[bytes]:
         """The full-block hashes of a prompt, with this pool's hash function."""
-        return self._hasher(token_ids, self.block_size, salt)
+        return self._hasher(token_ids, self.block_size, salt, lora)
 
     def take_events(self) -> list[PoolEvent]:
         """The cache changes since the last call, oldest first (empty when not recorded)."""
@@ -160,13 +170,14 @@ class KVPool:
 
     # -- mutation ----------------------------------------------------------------------------
     def allocate(self, hashes: list[bytes], total_tokens: int, token_ids: Sequence[int] | None = None,
-                 salt: str | None = None) -> Allocation | None:
+                 salt: str | None = None, lora: str | None = None) -> Allocation | None:
         """Pin the reusable prefix and allocate blocks for the rest of a ``total_tokens`` prompt.
 
         ``hashes`` are the prompt's full-block hashes (``block_hashes``). Returns None,
         changing nothing, when the blocks cannot be found even after evicting every
         cached block. Prefix-cache counters move only on success, once per admission.
-        ``token_ids`` and ``salt`` (the prompt's) are what a ``Stored`` event reports.
+        ``token_ids``, ``salt`` and ``lora`` (the prompt's, the adapter's name) are what a
+        ``Stored`` event reports.
         """
         needed = self.blocks_for(total_tokens)
         hits = min(self.match(hashes), max(0, (total_tokens - 1) // self.block_size))
@@ -192,10 +203,10 @@ class KVPool:
                 if run_start < 0:
                     run_start = i
             elif run_start >= 0:
-                self._stored(hashes, run_start, i, token_ids, salt)
+                self._stored(hashes, run_start, i, token_ids, salt, lora)
                 run_start = -1
         if run_start >= 0:
-            self._stored(hashes, run_start, min(needed, len(hashes)), token_ids, salt)
+            self._stored(hashes, run_start, min(needed, len(hashes)), token_ids, salt, lora)
         anonymous = new - (len(pinned) - hits)
         self._pinned += new
         self.queries_tokens += total_tokens
@@ -203,13 +214,13 @@ class KVPool:
         return Allocation(pinned, anonymous, hits, hits * self.block_size, total_tokens)
 
     def _stored(self, hashes: Sequence[bytes], start: int, end: int, token_ids: Sequence[int] | None,
-                salt: str | None) -> None:
+                salt: str | None, lora: str | None = None) -> None:
         if self._events is None:
             return
         bs = self.block_size
         tokens = tuple(token_ids[start * bs : end * bs]) if token_ids is not None else ()
         self._events.append(Stored(tuple(hashes[start:end]), hashes[start - 1] if start else None, tokens,
-                                   salt if start == 0 else None))
+                                   salt if start == 0 else None, lora))
 
     def grow(self, allocation: Allocation, new_tokens: int) -> bool:
         """Account ``new_tokens`` decoded tokens; False (nothing changed) if no block is left.

@@ -59,7 +59,9 @@ MEDIUM_GPU = "GPU"
 
 def _event(e: PoolEvent, block_size: int, int_hashes: bool, legacy: bool) -> Any:
     if isinstance(e, Stored):
-        extra = [(e.salt,) if i == 0 and e.salt else None for i in range(len(e.hashes))]
+        # vLLM's untagged per-block keys: the adapter's name on every block, then the salt on the first.
+        adapter = (e.lora,) if e.lora else ()
+        extra = [(*adapter, *((e.salt,) if i == 0 and e.salt else ())) or None for i in range(len(e.hashes))]
         fields: list[tuple[str, Any]] = [
             ("block_hashes", [external_hash(h, int_hashes) for h in e.hashes]),
             ("parent_block_hash", None if e.parent is None else external_hash(e.parent, int_hashes)),
@@ -67,7 +69,7 @@ def _event(e: PoolEvent, block_size: int, int_hashes: bool, legacy: bool) -> Any
             ("block_size", block_size),
             ("lora_id", None),
             ("medium", MEDIUM_GPU),
-            ("lora_name", None),
+            ("lora_name", e.lora),
             # vLLM 0.33 sends one entry per block, None where a block has no keys.
             ("extra_keys", extra),
             ("group_idx", 0),

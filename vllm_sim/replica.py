@@ -113,7 +113,7 @@ def _hasher(config: SimConfig) -> Hasher | None:
 
     seed = config.hash_seed
 
-    def hasher(token_ids: Any, block_size: int, salt: str | None) -> list[bytes]:
-        return vllm_block_hashes(token_ids, block_size, salt, seed)
+    def hasher(token_ids: Any, block_size: int, salt: str | None, lora: tuple[str, str] | None) -> list[bytes]:
+        return vllm_block_hashes(token_ids, block_size, salt, seed, lora)
 
     return hasher

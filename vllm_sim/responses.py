@@ -163,7 +163,8 @@ class ResponsesApi:
         # vLLM echoes the effective limit: without one, the rest of the context.
         limit = max_tokens if max_tokens is not None else config.max_model_len - len(tokens)
         shape = Shape(rid, "msg_" + uuid.uuid4().hex, int(time.time()), model, body, limit)
-        request = GenRequest(rid, tokens, max_tokens, 1, salt, hold_s=faults.stall_before_first_token_s)
+        request = GenRequest(rid, tokens, max_tokens, 1, salt, hold_s=faults.stall_before_first_token_s,
+                             lora=config.lora(model))
         return _Job(request, shape, messages, params.stream, bool(store), background)
 
     def _final(self, job: _Job, gen: Any) -> dict[str, Any]:

@@ -78,8 +78,13 @@ def _routes(replica: Replica) -> list[Route]:
 
     async def models(request: Request) -> Response:
         created = int(time.time())
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
-                 "parent": None, "max_model_len": config.max_model_len} for m in config.models]
+        data = []
+        for m in config.models:
+            lora = config.lora(m)
+            # vLLM lists an adapter with its path as root and the base model as parent.
+            data.append({"id": m, "object": "model", "created": created, "owned_by": "vllm",
+                         "root": lora[1] if lora else m, "parent": config.model if lora else None,
+                         "max_model_len": config.max_model_len})
         return _json({"object": "list", "data": data})
 
     async def embeddings(request: Request) -> Response:

@@ -6,10 +6,11 @@ What vLLM computes (``vllm/v1/core/kv_cache_utils.py``, ``vllm/utils/hashing.py`
     block_hash  = sha256_cbor((parent or NONE_HASH, tuple(block_token_ids), extra_keys))
     sha256_cbor = sha256 of the canonical CBOR encoding
 
-``extra_keys`` is None or a tuple of keys tagged by their source: LoRA,
-multimodal identifiers, then ``("cache_salt", salt)`` on the first block only
-(vLLM 0.33; the simulator has neither LoRA nor multimodal input, so only the
-salt). Events publish the keys untagged: ``(salt,)``. Events carry the low 64 bits of the
+``extra_keys`` is None or a tuple of keys tagged by their source:
+``("lora", name, path)`` on every block of a LoRA adapter's request, multimodal
+identifiers, then ``("cache_salt", salt)`` on the first block only (vLLM 0.33;
+the simulator has no multimodal input). Events publish the keys untagged, one
+entry per block: ``(name, salt)``, ``(name,)``, ... or ``(salt,)``, None, ... Events carry the low 64 bits of the
 32-byte digest, read big-endian, by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
 
 Only the simulator uses this: kvgate never reproduces the engine's hash, it keys
@@ -47,13 +48,16 @@ def none_hash(seed: str | None = None) -> bytes:
 
 
 def vllm_block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,
-                      seed: str | None = None) -> list[bytes]:
-    """The 32-byte hashes vLLM gives the full blocks of ``token_ids`` (a partial tail has none)."""
+                      seed: str | None = None, lora: tuple[str, str] | None = None) -> list[bytes]:
+    """The 32-byte hashes vLLM gives the full blocks of ``token_ids`` (a partial tail has none);
+    ``lora``: the adapter's (name, path), as vLLM's ``LoRARequest`` carries them."""
     parent = none_hash(seed)
     out: list[bytes] = []
+    adapter = [("lora", lora[0], lora[1])] if lora else []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         # vLLM only adds the salt when it is non-empty (an empty one is rejected at the API).
-        extra = (("cache_salt", salt),) if start == 0 and salt else None
+        keys = adapter + ([("cache_salt", salt)] if start == 0 and salt else [])
+        extra = tuple(keys) if keys else None
         parent = sha256_cbor((parent, tuple(token_ids[start : start + block_size]), extra))
         out.append(parent)
     return out

@@ -52,8 +52,8 @@ class EventSim:
         if self.server is not None:
             self.server.stop()
 
-    async def complete(self, ids: list[int], salt: str | None = None) -> None:
-        body: dict[str, Any] = {"model": MODEL, "prompt": ids, "max_tokens": 1}
+    async def complete(self, ids: list[int], salt: str | None = None, model: str = MODEL) -> None:
+        body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": 1}
         if salt:
             body["cache_salt"] = salt
         async with httpx.AsyncClient() as c:

@@ -4,10 +4,13 @@ Importing vLLM takes most of a minute on a loaded 2-core machine, so one
 process serves a whole test module: one JSON command per line on stdin, one
 JSON answer per line on stdout.
 
-* ``{"op": "hash", "cases": [{"ids": [...], "salt": s|null, "block_size": n}]}``: the block
-  hashes vLLM's scheduler gives a real ``vllm.v1.request.Request`` with that prompt
-  and cache_salt (``get_request_block_hasher`` with ``sha256_cbor`` after
-  ``init_none_hash``), as hex.
+* ``{"op": "hash", "cases": [{"ids": [...], "salt": s|null, "block_size": n, "lora": [name, path]|null}]}``:
+  the block hashes vLLM's scheduler gives a real ``vllm.v1.request.Request`` with that
+  prompt, cache_salt and LoRA adapter (``get_request_block_hasher`` with ``sha256_cbor``
+  after ``init_none_hash``), as hex.
+* ``{"op": "event_keys", "cases": [...as for hash]}``: the per-block ``extra_keys`` vLLM's
+  block pool publishes in ``BlockStored`` for that request (``generate_block_hash_extra_keys``
+  per full block, then ``to_event_extra_keys``), as JSON.
 * ``{"op": "decode", "payloads": [hex, ...]}``: each payload decoded with vLLM's
   ``msgspec`` ``KVEventBatch`` decoder, re-encoded as plain JSON.
 * ``{"op": "publish", "endpoint": ..., "replay": ..., "batches": [[event, ...], ...]}``: a
@@ -36,7 +39,9 @@ def main() -> None:
                                             KVEventBatch)
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.core.kv_cache_utils import (generate_block_hash_extra_keys, get_request_block_hasher,
+                                             init_none_hash, to_event_extra_keys)
     from vllm.v1.request import Request
 
     init_none_hash(sha256_cbor)
@@ -53,18 +58,25 @@ def main() -> None:
             return {"type": type(obj).__name__, **{f: plain(getattr(obj, f)) for f in obj.__struct_fields__}}
         return obj
 
+    def request(case: dict[str, Any]) -> Any:
+        hasher = get_request_block_hasher(case["block_size"], sha256_cbor)
+        lora = case.get("lora")
+        return Request("probe", case["ids"], SamplingParams(max_tokens=1), None, cache_salt=case["salt"],
+                       block_hasher=hasher, lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None)
+
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "hash":
-            out = []
+            answer: Any = [[bytes(h).hex() for h in request(case).block_hashes] for case in cmd["cases"]]
+        elif op == "event_keys":
+            answer = []
             for case in cmd["cases"]:
-                hasher = get_request_block_hasher(case["block_size"], sha256_cbor)
-                req = Request("probe", case["ids"], SamplingParams(max_tokens=1), None,
-                              cache_salt=case["salt"], block_hasher=hasher)
-                out.append([bytes(h).hex() for h in req.block_hashes])
-            answer: Any = out
+                req, bs = request(case), case["block_size"]
+                keys = [generate_block_hash_extra_keys(req, s, s + bs, 0)[0]
+                        for s in range(0, len(case["ids"]) - bs + 1, bs)]
+                answer.append(to_event_extra_keys(keys))
         elif op == "decode":
             answer = [plain(decoder.decode(bytes.fromhex(p))) for p in cmd["payloads"]]
         elif op == "publish":
