@@ -345,7 +345,11 @@ class Runtime:
         report = self.hygiene_report()
         warned = {name: t["requests_with_warnings"] for name, t in report["tenants"].items()}
         tenants = [{**row, "warnings": warned.get(row["name"], 0)} for row in self.tenant_stats.rows()]
-        return {"replicas": snapshot(self.pool), "tenants": tenants, "totals": self.tenant_stats.totals(),
+        replicas = snapshot(self.pool)
+        if self.kv_events is not None:
+            for row in replicas:  # precise or approximate, and why (routing.kv_events)
+                row["routing"] = self.kv_events.mode(row["name"])
+        return {"replicas": replicas, "tenants": tenants, "totals": self.tenant_stats.totals(),
                 "endpoints": self.endpoint_stats.rows(),
                 "hygiene": report, "cache": self.cache_stats(), "routing": self.routing_stats(),
                 "ready": self.readiness()[1], "workers": self.workers()}

@@ -133,6 +133,15 @@ class KVEvents:
         stream = self.streams.get(name)
         return stream is not None and stream.live and not self.disagrees(name)
 
+    def mode(self, name: str) -> str | None:
+        """How the cost model sees ``name``: "precise", or "approximate: why"; None without a stream."""
+        stream = self.streams.get(name)
+        if stream is None:
+            return None
+        if not stream.live:
+            return f"approximate: events {stream.state}"
+        return "approximate: token ids disagree" if self.disagrees(name) else "precise"
+
     def disagrees(self, name: str) -> bool:
         """None of the last ``AGREEMENT_WINDOW`` requests served at ``name`` appeared in its events."""
         checks = self._checks.get(name)

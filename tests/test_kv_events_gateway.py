@@ -264,6 +264,7 @@ def test_token_ids_that_are_not_the_replicas_are_found_out_and_routed_approximat
             assert r["token_agreement"]["unconfirmed"] >= 16 and r["token_agreement"]["confirmed"] == 0
         ready = g.readyz()
         assert ready.status_code == 200  # still serving, only less precisely
+        assert {r["routing"] for r in g.rt.status()["replicas"]} == {"approximate: token ids disagree"}
         metrics = httpx.get(g.server.url + "/metrics", timeout=5).text
         for sim in fleet:
             assert f'kvgate_kv_events_precise{{replica="{sim.name}"}} 0.0' in metrics
@@ -273,6 +274,7 @@ def test_token_ids_that_are_not_the_replicas_are_found_out_and_routed_approximat
         n = iter(range(10_000))
         wait(lambda: g.send(token_prompt(500 + next(n), 3)) and all_precise(g), timeout=30)
         assert all(r["token_agreement"]["confirmed"] >= 1 for r in rows().values())
+        assert {r["routing"] for r in g.rt.status()["replicas"]} == {"precise"}  # the status page's column
         assert not any("are not the replica's" in d for d in g.readyz().json()["degraded"])
     finally:
         g.stop()

@@ -61,6 +61,7 @@ def test_status_page_renders_in_headless_chromium(tmp_path: Path) -> None:
         dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=90, check=False)
         subprocess.run([*common, f"--screenshot={shot}", url], capture_output=True, timeout=90, check=False)
         assert "r1" in dom.stdout and "r2" in dom.stdout, dom.stdout[-2000:]
+        assert "<th>routed</th>" in dom.stdout  # replicas without KV events: approximate
         assert "acme" in dom.stdout and "timestamp" in dom.stdout  # the hygiene warning shows
         assert re.search(r"<code>chat</code></td>\s*<td>15</td>", dom.stdout), dom.stdout[-3000:]  # the endpoints table
         # Three trend lines, each drawn from at least one sample, as an SVG path.
