@@ -21,12 +21,16 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.app import build_app
+from gateway.settings import load_settings
 from tests.support.deploy_files import COMPOSE_FILE, DEPLOY, PUBLIC_PORT, ROOT
+from tests.support.servers import ServerThread, free_port
 from tests.support.stack import MODEL, Stack, start_stack
 
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvgate.json"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 
 # ------------------------------------------------------------------------------- PromQL
 
@@ -197,6 +201,36 @@ def test_grafana_provisions_the_datasource_and_dashboard() -> None:
     assert home == f"{path}/{DASHBOARD.name}"
 
 
+# ------------------------------------------------------------------------------- alerts
+
+def _alerts() -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def test_alert_rules_are_loaded_and_say_what_to_do() -> None:
+    svcs = _compose()["services"]
+    cfg = yaml.safe_load(PROMETHEUS.read_text())
+    (rule_file,) = cfg["rule_files"]
+    assert _mounts(svcs["prometheus"])[rule_file] == ALERTS.resolve()
+    rules = _alerts()
+    names = [r["alert"] for r in rules]
+    assert len(names) == len(set(names)) and all(re.fullmatch(r"Kvgate[A-Z]\w+", n) for n in names), names
+    for r in rules:
+        assert r["labels"]["severity"] in {"critical", "warning", "info"}, r["alert"]
+        assert re.fullmatch(r"\d+[smh]", str(r["for"])), r["alert"]
+        assert r["annotations"]["summary"] and len(r["annotations"]["description"]) > 40, r["alert"]
+        expr = r["expr"]
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), r["alert"]
+        assert "$labels." not in expr, r["alert"]  # templates belong in annotations
+        # A template names only labels the expression keeps: all of a series' own, or, where it
+        # aggregates, those it aggregates by.
+        kept = {lab.strip() for m in re.finditer(r"\b(?:sum|max|min|avg|count)\s+by\s*\(([^)]*)\)", expr)
+                for lab in m.group(1).split(",")}
+        used = set(re.findall(r"\$labels\.(\w+)", " ".join(r["annotations"].values())))
+        assert not kept or used <= kept, (r["alert"], used, kept)
+    assert {"KvgateNoReplicaAvailable", "KvgatePreciseRoutingLost", "KvgateTokenIdsDisagree"} <= set(names)
+
+
 # --------------------------------------------------------- every metric named is exported
 
 @pytest.fixture(scope="module")
@@ -282,6 +316,27 @@ def test_every_metric_the_dashboard_names_is_exported(stack: Stack) -> None:
     for name in ("r1", "r2"):
         assert values[("kvgate_upstream_errors_total", frozenset({("replica", name), ("kind", "http_503")}))] >= 1
     assert values[("kvgate_semantic_cache_refusals_total", frozenset({("reason", "finish_reason:length")}))] >= 4
+
+
+def test_every_metric_the_alerts_name_is_exported(stack: Stack) -> None:
+    """Against the module's kvgate, and a second one whose replica is configured with a KV-event
+    stream (to nowhere: the precise-routing families exist only where events are configured)."""
+    declared, _, _ = _exposition(stack)
+    settings = load_settings(environ={}, overrides={
+        "replicas": [{"name": "r1", "url": stack.sim_url("r1"), "kv_events": f"tcp://127.0.0.1:{free_port()}"}],
+        "pool": {"health_interval_s": 60, "metrics_interval_s": 60}})
+    with_events = ServerThread(build_app(settings)).start()
+    try:
+        text = httpx.get(with_events.url + "/metrics", timeout=5).text
+    finally:
+        with_events.stop()
+    for family in text_string_to_metric_families(text):
+        declared.update(family.name + s for s in {"counter": ("_total",), "gauge": ("",)}.get(family.type, ("",)))
+    named = {name: r["alert"] for r in _alerts() for name in metric_names(r["expr"])}
+    named.pop("up")  # Prometheus's own, per scrape target
+    unknown = {n: a for n, a in named.items() if n not in declared}
+    assert not unknown, f"the alerts query metrics kvgate does not export: {unknown}"
+    assert {"kvgate_kv_events_precise", "kvgate_kv_events_token_checks_total"} <= set(named)
 
 
 def test_readmes_explain_the_monitoring_profile() -> None:
