@@ -1,4 +1,4 @@
-"""The ``kvgate`` command: serve, demo, sim, tokenizer."""
+"""The ``kvgate`` command: serve, demo, sim, tokenizer, check."""
 
 from __future__ import annotations
 
@@ -111,6 +111,19 @@ def _tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from .check import check_fleet, format_report
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    checks = check_fleet(settings, timeout_s=args.timeout)
+    print(format_report(checks))
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="OpenAI-compatible gateway for vLLM fleets")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--optional", action="store_true",
                      help="a failed fetch warns and exits 0 (an init step that must not block the gateway)")
     tok.set_defaults(func=_tokenizer)
+    check = sub.add_parser("check", help="check each replica of a config for what kvgate needs (exit 1 on a failure)")
+    check.add_argument("--config", "-c", help="YAML config file (or KVGATE_CONFIG)")
+    check.add_argument("--timeout", type=float, default=5.0, help="seconds per replica request")
+    check.set_defaults(func=_check)
     sim = sub.add_parser("sim", help="one simulated vLLM replica")
     from vllm_sim.cli import add_arguments
 
