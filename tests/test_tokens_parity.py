@@ -13,6 +13,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Iterator
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -392,3 +393,16 @@ def test_simulator_prefills_the_rendered_ids(server: RenderServer, sim: str) -> 
     r = httpx.post(sim + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(server.render("chat", body))
+
+
+def test_kvgate_check_compares_token_ids_as_vllms_own_tokenize_gives_them(server: RenderServer,
+                                                                          source: HFTokenSource) -> None:
+    """``kvgate check``'s token-id check asks a replica's /tokenize for its probe chat: vLLM's own
+    route gives exactly the ids kvgate computes, so the check passes where they agree."""
+    from gateway.check import add_tokens
+
+    results: list[tuple[Any, ...]] = []
+    with httpx.Client(timeout=60) as client:
+        add_tokens(lambda *a: results.append(a), server.model, client, server.url, {}, lambda _m: source)
+    ((name, status, detail),) = results
+    assert (name, status) == (f"token ids {server.model}", "ok"), detail
