@@ -132,7 +132,7 @@ def test_dashboard_has_the_panels_an_operator_reaches_for() -> None:
     for wanted in ("fleet prefix-cache hit rate", "prefix-cache hit rate by replica", "prefix-cache hit rate by tenant",
                    "time to first token", "requests by status", "errors", "semantic cache: results",
                    "verifier rejections by reason", "prompt-hygiene warnings by kind", "routing decisions",
-                   "replica load", "kv-cache usage"):
+                   "replica load", "kv-cache usage", "replicas routed on their kv events", "token-id checks"):
         assert wanted in titles, f"no panel {wanted!r}"
     ttft = next(t["expr"] for p in _panels() if p["title"] == "Time to first token" for t in p["targets"]
                 if "0.95" in t["expr"])
@@ -282,8 +282,18 @@ def _traffic(stack: Stack) -> None:
 
 
 def _exposition(stack: Stack) -> tuple[set[str], set[str], dict[tuple[str, frozenset[Any]], float]]:
-    """(every sample name a family of this type can have, the sample names present, their values)."""
-    text = httpx.get(stack.url + "/metrics", timeout=5).text
+    """(every sample name a family of this type can have, the sample names present, their values),
+    this stack's kvgate and a second one's whose replica is configured with a KV-event stream
+    (to nowhere: the precise-routing families exist only where events are configured)."""
+    settings = load_settings(environ={}, overrides={
+        "replicas": [{"name": "r1", "url": stack.sim_url("r1"), "kv_events": f"tcp://127.0.0.1:{free_port()}"}],
+        "pool": {"health_interval_s": 60, "metrics_interval_s": 60}})
+    with_events = ServerThread(build_app(settings)).start()
+    try:
+        text = httpx.get(stack.url + "/metrics", timeout=5).text
+        text += httpx.get(with_events.url + "/metrics", timeout=5).text
+    finally:
+        with_events.stop()
     declared, present, values = set(), set(), {}
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",),
                 "summary": ("", "_count", "_sum"), "untyped": ("",)}
@@ -319,19 +329,7 @@ def test_every_metric_the_dashboard_names_is_exported(stack: Stack) -> None:
 
 
 def test_every_metric_the_alerts_name_is_exported(stack: Stack) -> None:
-    """Against the module's kvgate, and a second one whose replica is configured with a KV-event
-    stream (to nowhere: the precise-routing families exist only where events are configured)."""
     declared, _, _ = _exposition(stack)
-    settings = load_settings(environ={}, overrides={
-        "replicas": [{"name": "r1", "url": stack.sim_url("r1"), "kv_events": f"tcp://127.0.0.1:{free_port()}"}],
-        "pool": {"health_interval_s": 60, "metrics_interval_s": 60}})
-    with_events = ServerThread(build_app(settings)).start()
-    try:
-        text = httpx.get(with_events.url + "/metrics", timeout=5).text
-    finally:
-        with_events.stop()
-    for family in text_string_to_metric_families(text):
-        declared.update(family.name + s for s in {"counter": ("_total",), "gauge": ("",)}.get(family.type, ("",)))
     named = {name: r["alert"] for r in _alerts() for name in metric_names(r["expr"])}
     named.pop("up")  # Prometheus's own, per scrape target
     unknown = {n: a for n, a in named.items() if n not in declared}
