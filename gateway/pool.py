@@ -129,6 +129,8 @@ class PoolEvents:
     on_eject: Callable[[Replica], None] = lambda r: None
     on_restore: Callable[[Replica], None] = lambda r: None
     on_failure: Callable[[Replica, str], None] = lambda r, kind: None
+    # LoRA adapters a replica lists in /v1/models (an id with a parent model).
+    on_adapters: Callable[[frozenset[str]], None] = lambda names: None
 
 
 class ReplicaPool:
@@ -283,8 +285,14 @@ class ReplicaPool:
     async def _discover(self, replica: Replica, timeout: httpx.Timeout) -> frozenset[str]:
         try:
             resp = await self.client.get(replica.url + "/v1/models", timeout=timeout)
-            data = resp.json().get("data", [])
-            return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+            data = [m for m in resp.json().get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            # vLLM lists a LoRA adapter with its base model as parent: precise routing keys its
+            # blocks apart (routing.token_keys), from its first request on.
+            adapters = frozenset(m["id"] for m in data if isinstance(m.get("parent"), str) and m["parent"]
+                                 and m["parent"] != m["id"])
+            if adapters:
+                self.events.on_adapters(adapters)
+            return frozenset(m["id"] for m in data)
         except (httpx.HTTPError, ValueError, AttributeError, KeyError):
             return replica.discovered_models
 

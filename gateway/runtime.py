@@ -90,7 +90,8 @@ class Runtime:
                                multiprocess_dir=worker.metrics_dir if worker else None)
         self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
-                                events=PoolEvents(on_eject=self._on_eject, on_failure=self._on_failure),
+                                events=PoolEvents(on_eject=self._on_eject, on_failure=self._on_failure,
+                                                  on_adapters=self._on_adapters),
                                 transport=self.transport)
         # Precise mode's truth: the replicas' KV events (routing.kv_events), when any publish them.
         self.kv_events: KVEvents | None = _make_kv_events(settings)
@@ -226,6 +227,10 @@ class Runtime:
 
     def _on_failure(self, replica: Replica, kind: str) -> None:
         self.metrics.upstream_errors.labels(replica.name, kind).inc()
+
+    def _on_adapters(self, names: frozenset[str]) -> None:
+        if self.kv_events is not None:  # precise mode keys an adapter's blocks apart
+            self.kv_events.index.note_adapters(names)
 
     async def _dns_loop(self) -> None:
         name = self.settings.routing.dns_name or ""

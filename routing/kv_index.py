@@ -72,6 +72,13 @@ class KVEventIndex:
         # adapter's requests are keyed as its base model's, which costs misses, never answers.
         self.adapters: set[str] = set()
 
+    def note_adapters(self, names: Iterable[str]) -> None:
+        """LoRA adapters known by name (from the events, or the replicas' /v1/models)."""
+        for name in names:
+            if len(self.adapters) >= _MAX_ADAPTERS:
+                return
+            self.adapters.add(name)
+
     # -- membership -----------------------------------------------------------------
     def _replica(self, name: str) -> _Replica:
         st = self._replicas.get(name)
@@ -124,8 +131,8 @@ class KVEventIndex:
         if bs != self.block_size or len(e.token_ids) != bs * len(e.block_hashes):
             st.skipped += len(e.block_hashes)
             return
-        if e.lora_name is not None and e.lora_name not in self.adapters and len(self.adapters) < _MAX_ADAPTERS:
-            self.adapters.add(e.lora_name)
+        if e.lora_name is not None and e.lora_name not in self.adapters:
+            self.note_adapters((e.lora_name,))
         if e.parent is None:
             parent = root_key(e.salt, e.lora_name)
         else:

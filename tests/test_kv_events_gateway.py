@@ -290,6 +290,8 @@ def test_a_lora_adapters_requests_follow_its_own_blocks_not_its_base_models(toke
         wait(lambda: all_precise(g))
         kv = g.rt.kv_events
         assert kv is not None
+        # Known from the replicas' /v1/models (its parent is the base model) before any event names it.
+        wait(lambda: ADAPTER in kv.index.adapters)
         for n, (base_at, lora_at) in enumerate([(0, 1), (1, 2), (2, 0)]):
             ids = token_prompt(900 + n, 6)
             anyio.run(sims[base_at].complete, ids, SALT)
