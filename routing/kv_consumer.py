@@ -80,7 +80,10 @@ class EventStream:
             return "down"
         if not self.synced:
             return "syncing"
-        if self._expect_at is not None and self._clock() > self._expect_at:
+        # Read once: a reader on another thread (a test, a metrics scrape) must not see it
+        # cleared between the check and the comparison.
+        expect = self._expect_at
+        if expect is not None and self._clock() > expect:
             return "stale"
         return "live"
 

@@ -88,8 +88,9 @@ class KVEvents:
         self._ctx: zmq.asyncio.Context | None = None
         self._pending: dict[int, list[_Pending]] = {}  # first block's key -> requests in flight
         self._queue: deque[_Pending] = deque()
-        # Per replica: whether each of the last requests served there showed up in its events.
-        self._checks: dict[str, deque[bool]] = {}
+        # Per replica: how many requests served there in a row did not show up in its events
+        # (a count, not a window of outcomes: "none of the last N" is "N misses in a row").
+        self._misses: dict[str, int] = {}
         self.confirmed: dict[str, int] = {}
         self.unconfirmed: dict[str, int] = {}
 
@@ -111,7 +112,7 @@ class KVEvents:
 
     def _drop(self, name: str) -> None:
         self.streams.pop(name, None)
-        self._checks.pop(name, None)
+        self._misses.pop(name, None)
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()
@@ -145,8 +146,7 @@ class KVEvents:
 
     def disagrees(self, name: str) -> bool:
         """None of the last ``AGREEMENT_WINDOW`` requests served at ``name`` appeared in its events."""
-        checks = self._checks.get(name)
-        return checks is not None and len(checks) == AGREEMENT_WINDOW and not any(checks)
+        return self._misses.get(name, 0) >= AGREEMENT_WINDOW
 
     def held(self, keys: Sequence[int], names: Iterable[str]) -> dict[str, float]:
         """Cached blocks of ``keys``' prefix per replica with a live stream (the others are absent)."""
@@ -210,10 +210,7 @@ class KVEvents:
         stream = self.streams.get(name)
         if stream is None or stream.state != "live":
             return  # events were not flowing: staleness, not disagreement, explains a miss
-        checks = self._checks.get(name)
-        if checks is None:
-            checks = self._checks[name] = deque(maxlen=AGREEMENT_WINDOW)
-        checks.append(appeared)
+        self._misses[name] = 0 if appeared else self._misses.get(name, 0) + 1
         counts = self.confirmed if appeared else self.unconfirmed
         counts[name] = counts.get(name, 0) + 1
 

@@ -15,6 +15,7 @@ prefill as sent, so the test knows exactly which blocks each one caches.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -79,8 +80,17 @@ class Gateway:
         assert kv is not None
         return kv.index.held(block_keys(ids, BS, SALT), [replica])[replica]
 
+    def on_loop(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the gateway's event loop, as the admin API calls it: the streams and the
+        in-flight overlay change on that loop, and are read there."""
+        async def call() -> Any:
+            return fn()
+
+        assert self.server.loop is not None
+        return asyncio.run_coroutine_threadsafe(call(), self.server.loop).result(10)
+
     def routing(self) -> dict[str, Any]:
-        return self.rt.routing_stats()
+        return self.on_loop(self.rt.routing_stats)  # type: ignore[no-any-return]
 
     def readyz(self) -> httpx.Response:
         return httpx.get(self.server.url + "/readyz", timeout=5)
@@ -264,7 +274,7 @@ def test_token_ids_that_are_not_the_replicas_are_found_out_and_routed_approximat
             assert r["token_agreement"]["unconfirmed"] >= 16 and r["token_agreement"]["confirmed"] == 0
         ready = g.readyz()
         assert ready.status_code == 200  # still serving, only less precisely
-        assert {r["routing"] for r in g.rt.status()["replicas"]} == {"approximate: token ids disagree"}
+        assert {r["routing"] for r in g.on_loop(g.rt.status)["replicas"]} == {"approximate: token ids disagree"}
         metrics = httpx.get(g.server.url + "/metrics", timeout=5).text
         for sim in fleet:
             assert f'kvgate_kv_events_precise{{replica="{sim.name}"}} 0.0' in metrics
@@ -274,7 +284,7 @@ def test_token_ids_that_are_not_the_replicas_are_found_out_and_routed_approximat
         n = iter(range(10_000))
         wait(lambda: g.send(token_prompt(500 + next(n), 3)) and all_precise(g), timeout=30)
         assert all(r["token_agreement"]["confirmed"] >= 1 for r in rows().values())
-        assert {r["routing"] for r in g.rt.status()["replicas"]} == {"precise"}  # the status page's column
+        assert {r["routing"] for r in g.on_loop(g.rt.status)["replicas"]} == {"precise"}  # the status page's column
         assert not any("are not the replica's" in d for d in g.readyz().json()["degraded"])
     finally:
         g.stop()
