@@ -202,10 +202,11 @@ class SimEngine:
 
     def admit(self) -> tuple[list[_Job], int]:
         """Jobs to prefill now (FIFO, while slots, KV and the token budget allow)."""
-        queued = list(self.waiting) if self.kv_blocked_since is not None else []
         batch, uncached = self._admit()
         if batch and self.kv_blocked_since is not None:
-            for job in queued:  # each waited for memory since it arrived or the block began
+            # Every job queued during the block, admitted now or still waiting, waited for memory
+            # since it arrived or the block began.
+            for job in (*batch, *self.waiting):
                 job.kv_wait += max(0.0, self.last - max(self.kv_blocked_since, job.arrival))
             self.kv_blocked_since = None
         if not batch and self.waiting and len(self.running) < self.timing.max_num_seqs \

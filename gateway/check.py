@@ -52,17 +52,13 @@ def _replicas(settings: Settings) -> list[ReplicaSettings]:
     """The configured replicas, else those the routing DNS name resolves to now."""
     if settings.replicas or not settings.routing.dns_name:
         return list(settings.replicas)
-    from routing.membership import replica_name, resolve
+    from routing.membership import dns_target, replica_name, resolve
 
-    host, _, port = settings.routing.dns_name.rpartition(":")
-    kv = settings.routing.kv_events
     out = []
-    for url in asyncio.run(resolve(host, int(port))):
-        address = urlsplit(url).hostname or ""
-        events = {"kv_events": f"tcp://{address}:{kv.port}"} if kv.port else {}
-        if kv.port and kv.replay_port:
-            events["kv_events_replay"] = f"tcp://{address}:{kv.replay_port}"
-        out.append(ReplicaSettings(name=replica_name(url), url=url, **events))
+    for url in asyncio.run(resolve(*dns_target(settings.routing.dns_name))):
+        found = settings.routing.kv_events.endpoints_at(urlsplit(url).hostname or "")
+        pub, replay = found or (None, None)
+        out.append(ReplicaSettings(name=replica_name(url), url=url, kv_events=pub, kv_events_replay=replay))
     return out
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import httpx
 
 from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry, scan_memo
-from routing import RoutingPolicy, RoutingSettings, make_policy, resolve
+from routing import RoutingPolicy, RoutingSettings, dns_target, make_policy, resolve
 from routing import _native as routing_native
 from routing.prefix_affinity import PrefixAffinity
 from routing.kv_events import KVEvents
@@ -192,10 +192,8 @@ class Runtime:
             spec = configured.get(name)
             if spec is not None and spec.kv_events:
                 endpoints[name] = (spec.kv_events, spec.kv_events_replay)
-            elif replica.source == "dns" and kv.port is not None:
-                host = urlsplit(replica.url).hostname
-                endpoints[name] = (f"tcp://{host}:{kv.port}", f"tcp://{host}:{kv.replay_port}" if kv.replay_port
-                                   else None)
+            elif replica.source == "dns" and (found := kv.endpoints_at(urlsplit(replica.url).hostname or "")):
+                endpoints[name] = found
         self.kv_events.sync(endpoints)
 
     def _share_routing(self) -> None:
@@ -234,10 +232,9 @@ class Runtime:
 
     async def _dns_loop(self) -> None:
         name = self.settings.routing.dns_name or ""
-        host, _, port = name.rpartition(":")
         while True:
             try:
-                urls = await resolve(host or name, int(port or 8000))
+                urls = await resolve(*dns_target(name))
                 self._sync_dns(urls)
             except (OSError, ValueError):
                 log.warning("DNS resolution failed", extra={"dns_name": name})

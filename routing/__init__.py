@@ -17,7 +17,8 @@ What the gateway calls:
   pure, returns the same object when there is nothing to strip);
 * ``policy.observe(request, RouteFeedback(...))`` after each served request,
   with the same ``RouteRequest`` object (its ``scratch`` holds the hashes);
-* ``resolve(name, port)`` to turn a headless-service name into replica URLs.
+* ``resolve(name, port)`` to turn a headless-service name into replica URLs
+  (``dns_target`` reads ``routing.dns_name`` as that name and port).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from .base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy, load_
 from .boundary import strip_cache_control
 from .consistent_hash import ConsistentHash
 from .least_load import LeastLoad
-from .membership import resolve
+from .membership import dns_target, resolve
 from .prefix_affinity import PrefixAffinity
 from .round_robin import RoundRobin
 from .settings import RoutingSettings
 
 __all__ = [
     "ReplicaView", "RouteFeedback", "RouteRequest", "RoutingPolicy", "RoutingSettings", "load_now",
-    "make_policy", "strip_cache_control", "resolve",
+    "make_policy", "strip_cache_control", "resolve", "dns_target",
 ]
 
 

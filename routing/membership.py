@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 from .rendezvous import first_choice
 
-__all__ = ["resolve", "replica_name", "key_movement", "MembershipDiff", "diff"]
+__all__ = ["resolve", "dns_target", "replica_name", "key_movement", "MembershipDiff", "diff"]
 
 
 def _url(address: str, port: int, scheme: str) -> str:
@@ -29,6 +29,12 @@ def _url(address: str, port: int, scheme: str) -> str:
     except ValueError:
         pass
     return f"{scheme}://{address}:{port}"
+
+
+def dns_target(dns_name: str) -> tuple[str, int]:
+    """``routing.dns_name`` as (host, port); vLLM's port 8000 when it names none. ValueError if bad."""
+    host, _, port = dns_name.rpartition(":")
+    return host or dns_name, int(port or 8000)
 
 
 async def resolve(name: str, port: int, scheme: str = "http") -> list[str]:

@@ -35,6 +35,12 @@ class KVEventSettings(_Section):
     # removals were lost, and the replica's entries are cleared and relearned.
     max_blocks: int = Field(1 << 21, ge=1024)
 
+    def endpoints_at(self, host: str) -> tuple[str, str | None] | None:
+        """The event and replay endpoints of a replica found through dns_name at ``host`` (None: no port)."""
+        if self.port is None:
+            return None
+        return f"tcp://{host}:{self.port}", f"tcp://{host}:{self.replay_port}" if self.replay_port else None
+
 
 # Settings of the layered policy the cost model replaced (issue 15). A config that
 # still sets them keeps loading: they are dropped with a warning naming each.

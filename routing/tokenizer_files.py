@@ -38,6 +38,11 @@ def wanted(relative: str) -> bool:
     return any(fnmatch(relative, p) for p in PATTERNS)
 
 
+def _listed(root: Path) -> list[str]:
+    """The tokenizer files under ``root``, as relative paths."""
+    return sorted(rel for p in root.rglob("*") if p.is_file() and wanted(rel := p.relative_to(root).as_posix()))
+
+
 def fetch(source: str, dest: str | Path, revision: str | None = None) -> list[str]:
     """Put ``source``'s tokenizer files in ``dest``; returns their relative paths.
 
@@ -47,8 +52,7 @@ def fetch(source: str, dest: str | Path, revision: str | None = None) -> list[st
     out = Path(dest)
     local = Path(source)
     if local.is_dir():
-        names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*")
-                       if p.is_file() and wanted(p.relative_to(local).as_posix()))
+        names = _listed(local)
         if not names:
             raise FetchError(f"{source}: no tokenizer files in this directory")
         for name in names:
@@ -70,8 +74,7 @@ def fetch(source: str, dest: str | Path, revision: str | None = None) -> list[st
         snapshot_download(repo_id=source, revision=revision, allow_patterns=list(PATTERNS), local_dir=str(out))
     except Exception as e:  # the Hub's errors name the repo, never the token
         raise FetchError(f"{source}: download failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
-    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
-                   if p.is_file() and wanted(p.relative_to(out).as_posix()))
+    names = _listed(out)
     if not names:
         raise FetchError(f"{source}: the repository has no tokenizer files")
     return names

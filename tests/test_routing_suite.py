@@ -100,13 +100,19 @@ class _Recorder:
         return None
 
 
+def _keeping(cls):  # type: ignore[no-untyped-def]
+    """A policy factory for ``simulate`` that keeps what it made (the last is the run's)."""
+    made: list = []
+
+    def make(clock):  # type: ignore[no-untyped-def]
+        made.append(cls(clock))
+        return made[-1]
+    return make, made
+
+
 def test_simulated_closed_loop_keeps_exactly_its_clients_in_flight_and_sends_only_in_bursts() -> None:
     w = build(HEAVY, seed=2, n_requests=120)
-    made: list[_Recorder] = []
-
-    def make(clock):
-        made.append(_Recorder(clock))
-        return made[-1]
+    make, made = _keeping(_Recorder)
 
     stats = simulate(w, make, SimSettings(replicas=4, closed_loop=ClosedLoop(8)))
     assert stats.max_in_flight == 8 and len(stats.ttfts) == 120
@@ -186,11 +192,7 @@ def test_the_ttft_oracle_knows_each_request_s_time_to_first_token_and_keeps_the_
     # One client: every request finds nothing queued, so its time to first token
     # is exactly the oracle's figure for where it sent it.
     w = build(HEAVY, seed=1, n_requests=60)
-    made: list[TTFTReference] = []
-
-    def make(clock):
-        made.append(TTFTReference(clock))
-        return made[-1]
+    make, made = _keeping(TTFTReference)
 
     alone = simulate(w, make, SimSettings(replicas=4, kv_tokens=1 << 20, closed_loop=ClosedLoop(1)))
     assert alone.ttfts == pytest.approx(made[-1].predicted, abs=1e-9)
