@@ -9,17 +9,29 @@ generated suite (``bench/workloads/generated.py``) that nothing is tuned on,
 for reporting only.
 
 One process, discrete-event (``bench.routing_sim``): N replicas with the
-simulator's own KV pool and timing model, finite KV pools (``--kv-tokens``,
-or ``--large-kv`` for caches that never evict), and arrival rates set so the
+simulator's own KV pool and timing model, KV pools under pressure, sized from
+each workload (``bench.pools.pool_size``: the fleet's pools together hold
+``--pool-ratio``, default 2, times the reused working set, floored so a
+replica can run its share of the largest requests at once; ``--kv-tokens``
+overrides it, ``--large-kv`` gives caches that never evict; each workload's
+header gives the pool and the working set), and arrival rates set so the
 fleet is under real load: for each workload the rate is chosen so that the
 engine work at the *ideal* hit ratio would keep ``--load`` of the fleet busy
 (a policy reusing less than ideal is busier than that, possibly overloaded).
 
+The workloads: digital twins, MT-bench, Mooncake, shared prefix, unique
+prompts, and ``orgs_layered``, organisation-layered prompts (global > org >
+agent > tools > person > retrieved tail, 3 organisations per replica, skewed
+traffic, a closed loop of 2 clients per replica; ``bench/workloads/generated.py``
+with its own seed and sizes, none of the suite's families).
+
 Printed per workload: fleet prefix-cache hit ratio (tokens), that as a
 fraction of the ideal (one infinite cache replaying the same requests) and
-of the bounded omniscient reference (``bench.routing_reference``: greedy
-longest cached prefix under the load cap ceil(1.25 x mean in-flight), reading
-the simulated pools), TTFT p50/p95, output throughput, max/mean time-averaged
+of the run-level bounded omniscient reference (``bench.routing_reference``,
+``run_bounded_reference``: greedy longest cached prefix, reading the simulated
+pools, each replica within ceil(1.3 x mean) of the requests placed over the
+run; the in-flight ``bounded_reference`` runs only when named in
+``--policies``), TTFT p50/p95, output throughput, max/mean time-averaged
 replica load, max/mean per-replica request counts over the run, the max over
 routing decisions of in-flight / that cap, the
 share of follow-up turns sent to the replica that served the previous turn,
@@ -48,13 +60,16 @@ from routing.least_load import LeastLoad
 from routing.membership import key_movement
 from routing.prefix_affinity import PrefixAffinity
 from routing.round_robin import RoundRobin
+from routing.ttft_affinity import TTFTAffinity
 from routing.base import RouteRequest
 
 from .routing_baselines import KubeAICHWBL, LLMDPrecise, LLMDScorers, SGLangCacheAware, SGLangEventDriven
-from .routing_reference import REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED, BoundedReference, TTFTReference
+from .pools import DEFAULT_RATIO, pool_size
+from .routing_reference import (
+    REFERENCE, RUN_REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED, BoundedReference, RunBoundedReference, TTFTReference)
 from .routing_report import Row, WorkloadReport, format_table, plot, write_json
 from .routing_sim import PolicyFactory, SimSettings, simulate
-from .workloads import ClosedLoop, Workload, mooncake, mtbench, shared_prefix, twin, unique
+from .workloads import ClosedLoop, Workload, generated, mooncake, mtbench, shared_prefix, twin, unique
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data"
@@ -69,23 +84,38 @@ POLICIES: dict[str, PolicyFactory] = {
     "llm-d": lambda clock: LLMDScorers(),
     "kubeai_chwbl": lambda clock: KubeAICHWBL(),
     "prefix_affinity": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
+    "ttft": lambda clock: TTFTAffinity(PA_SETTINGS, clock),
+    RUN_REFERENCE: lambda clock: RunBoundedReference(),
     REFERENCE: lambda clock: BoundedReference(),
     TTFT_BOUNDED: lambda clock: TTFTReference(clock),
     TTFT_UNBOUNDED: lambda clock: TTFTReference(clock, bounded=False),
 }
-# References that read the simulated replicas, not routers: off unless asked for.
-ORACLES = (TTFT_BOUNDED, TTFT_UNBOUNDED)
+# References that read the simulated replicas, not routers: off unless asked for
+# (run_bounded_reference, the %ref yardstick, always runs).
+ORACLES = (REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED)
 # A fact published to a Redis stream reaches the other instances' blocking reads
 # about this much later (a loopback round trip and the publisher's batching).
 SHARE_DELAY_S = 0.05
 # Policies also run as several independent gateway instances (no shared state).
-MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity")
+MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity", "ttft")
 # Precise mode (issue 16): policies reading the replicas' KV events, with no other shared state.
 PRECISE: dict[str, PolicyFactory] = {
     "prefix_affinity precise": lambda clock: PrefixAffinity(PA_SETTINGS, clock),
+    "ttft precise": lambda clock: TTFTAffinity(PA_SETTINGS, clock),
     "llm-d precise": lambda clock: LLMDPrecise(),
     "sglang event-driven": lambda clock: SGLangEventDriven(),
 }
+
+
+def layered_tuning(replicas: int) -> generated.Family:
+    """The tuning set's organisation-layered workload: 3 organisations per replica, 2 clients per replica.
+
+    The generated suite's layered families have 1, 2, 4 and 8 organisations
+    per replica on 4 replicas, drawn from seeds 1-3; this one has its own
+    family name (so its own draw), organisation count and seed.
+    """
+    return generated.Family("tuning-layered", replicas=replicas, seconds=0, clients=2 * replicas, output=(8, 64),
+                            orgs_per_replica=3)
 
 
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
@@ -96,8 +126,15 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
         "mooncake": lambda: mooncake.build(args.data, minutes=1.0 if q else args.mooncake_minutes),
         "shared_prefix": lambda: shared_prefix.build(groups=16 if q else 64, per_group=8 if q else 48, rate=1.0),
         "unique": lambda: unique.build(n_requests=150 if q else 1500, rate=1.0),
+        "orgs_layered": lambda: _named(generated.build(layered_tuning(args.replicas), args.layered_seed,
+                                                       160 if q else args.layered_requests), "orgs_layered"),
     }
     return [makers[name]() for name in args.workloads]
+
+
+def _named(w: Workload, name: str) -> Workload:
+    w.name = name
+    return w
 
 
 def ideal_hit_ratio(w: Workload, block: int = 16) -> float:
@@ -171,19 +208,23 @@ def hash_cost_ms() -> float:
 
 
 def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
-    base = SimSettings(replicas=args.replicas, kv_tokens=args.kv_tokens or w.kv_tokens, seed=args.seed,
-                       closed_loop=ClosedLoop.of(args.clients, args.burst))
+    loop = ClosedLoop.of(args.clients, args.burst)
+    clients = (loop or w.closed_loop).clients if (loop or w.closed_loop) else 0
+    pool = pool_size(w, args.replicas, args.pool_ratio, clients=clients, kv_tokens=args.kv_tokens)
+    base = SimSettings(replicas=args.replicas, kv_tokens=pool.kv_tokens, seed=args.seed, closed_loop=loop)
     if args.large_kv:
         base = replace(base, kv_tokens=1 << 40)
     ideal = ideal_hit_ratio(w)
     rate = calibrate(w, ideal, base, args.load)
     rep = WorkloadReport(w.name, w.description, ideal, rate)
+    rep.pool = "KV pools never evict (--large-kv)" if args.large_kv else pool.describe()
+    rep.pool_tokens, rep.working_set = base.kv_tokens, pool.working_set
     if base.closed_loop is not None:
         rep.description += f"; {base.closed_loop.label()}"
-    reference = simulate(w, POLICIES[REFERENCE], base)
+    reference = simulate(w, POLICIES[RUN_REFERENCE], base)
     rep.reference = reference.hit_ratio
-    for name in args.policies:
-        stats = reference if name == REFERENCE else simulate(w, POLICIES[name], base)
+    for name in dict.fromkeys([*args.policies, RUN_REFERENCE]):
+        stats = reference if name == RUN_REFERENCE else simulate(w, POLICIES[name], base)
         rep.rows.append(Row(name, stats, ideal, rep.reference))
         _progress(w.name, name, stats)
     for name in (p for p in MULTI if p in args.policies and args.instances > 1):
@@ -199,7 +240,8 @@ def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
         rep.rows.append(Row(f"prefix_affinity x{args.instances}, shared index", stats, ideal, rep.reference))
         _progress(w.name, f"prefix_affinity x{args.instances} shared index", stats)
     for label in args.precise:
-        for n in args.precise_instances if label == "prefix_affinity precise" else [max(args.precise_instances)]:
+        for n in args.precise_instances if label in ("prefix_affinity precise", "ttft precise") \
+                else [max(args.precise_instances)]:
             # Only kvgate's policy is compared with the single-instance figure; the peers run at the largest count.
             stats = simulate(w, PRECISE[label], replace(base, instances=n, kv_events=True, agreement=n > 1))
             rep.rows.append(Row(f"{label} x{n}", stats, ideal, rep.reference))
@@ -221,7 +263,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.routing", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="shared data folder (default ../shared/data)")
     p.add_argument("--quick", action="store_true", help="small workloads: a smoke test in seconds")
-    p.add_argument("--workloads", nargs="+", default=["twin", "mtbench", "mooncake", "shared_prefix", "unique"])
+    p.add_argument("--workloads", nargs="+",
+                   default=["twin", "mtbench", "mooncake", "shared_prefix", "unique", "orgs_layered"])
     p.add_argument("--policies", nargs="+", default=[p for p in POLICIES if p not in ORACLES], choices=list(POLICIES))
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--instances", type=int, default=4, help="gateway instances for the multi-instance rows")
@@ -234,12 +277,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="closed loop: this many clients, each sending its next request when the last completes")
     p.add_argument("--burst", type=float, nargs=2, metavar=("ON_S", "OFF_S"), default=None,
                    help="with --clients: send only during ON_S of every ON_S + OFF_S seconds")
-    p.add_argument("--kv-tokens", type=int, default=0, help="KV pool per replica in tokens (default 1Mi)")
+    p.add_argument("--pool-ratio", type=float, default=DEFAULT_RATIO,
+                   help="the fleet's KV pools hold this many times the reused working set (meant for 1.5-3)")
+    p.add_argument("--kv-tokens", type=int, default=0,
+                   help="KV pool per replica in tokens (overrides --pool-ratio)")
     p.add_argument("--large-kv", action="store_true", help="KV pools large enough never to evict")
     p.add_argument("--mooncake-minutes", type=float, default=10.0, help="trace prefix to replay")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--twin-requests", type=int, default=3600,
                    help="twin requests (360 twins): fewer leave the cold start to dominate (1200: ~3 per twin)")
+    p.add_argument("--layered-requests", type=int, default=1600, help="orgs_layered requests")
+    p.add_argument("--layered-seed", type=int, default=11, help="orgs_layered's draw (the suite uses 1-3)")
     p.add_argument("--twin-seed", type=int, default=1,
                    help="the twin layout's seed (which twins are hot, arrivals); its p95 moves by seconds")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")

@@ -43,10 +43,24 @@ row replays anything, every instance must report each replica precise in its
 ``heavy_orgs`` is the generated suite's ``heavy4-closed8`` family (as many
 heavy organisations as replicas, 8 closed-loop clients, a few hundred
 requests), ``heavy_orgs_burst`` its ``heavy4-burst16`` (16 clients in bursts
-of 1 s every 3 s); ``--seed`` picks the draw. ``--clients N`` (and
-``--burst ON OFF``) replays any workload closed loop instead. Besides hit
-ratio and TTFT the table shows max/mean per-replica request counts over the
-run (each replica's own count of the requests it served).
+of 1 s every 3 s), ``orgs_layered`` its ``layered-4orgs-closed8``
+(organisation-layered prompts, 4 organisations on 4 replicas, 8 clients);
+``--seed`` picks the draw. ``--clients N`` (and ``--burst ON OFF``) replays
+any workload closed loop instead. Besides hit ratio (the replicas' counters
+and ``cached_tokens``), TTFT p50 and p95, the table shows max/mean
+per-replica request counts over the run (each replica's own count of the
+requests it served), for kvgate and the peers alike.
+
+Pools under pressure: every replica's KV pool (``vllm_sim --kv-blocks``) is
+sized from each workload as in the simulated benchmarks
+(``bench.pools.pool_size``: the fleet's pools hold ``--pool-ratio``, default
+2, times the reused working set, floored so a replica can run its share of
+the largest requests, their output capped at the ``max_tokens`` this client
+sends); the replicas are restarted at that size before the workload's first
+policy, kvgate's and the peers' alike. ``--kv-tokens`` or ``--kv-blocks``
+overrides it. The working set is counted on the workload's own token ids:
+with ``--precise`` the replicas tokenize with MiniLM instead, so it is an
+estimate there.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import random
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +80,8 @@ import httpx
 import orjson
 
 from bench.chaos_fleet import (
-    RedisProc, _kill, free_port, kvgate_config, metric_sum, parse_metrics, start_kvgate, start_sims)
+    RedisProc, Sim, _kill, free_port, kvgate_config, metric_sum, parse_metrics, start_kvgate, start_sims)
+from bench.pools import DEFAULT_RATIO, PoolSize, pool_size
 from bench.precise_fleet import PRECISE, precise_routing, replica_entries, start_event_sims, tokenizer_dir
 from bench.routing_replay import Usage, replay, summarise
 from bench.smg import SMG_POLICIES, smg_binary, start_smg
@@ -74,11 +90,15 @@ from bench.workloads import ClosedLoop, Request, Workload
 from gateway.pool import parse_vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix_affinity",
+BLOCK_SIZE = 16  # vllm_sim's default --block-size, which the replicas run with
+POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix_affinity", "ttft",
             *(f"smg:{p}" for p in SMG_POLICIES), *(f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES)]
 PEERS = {"smg": (start_smg, smg_binary), "vllm-router": (start_vllm_router, vllm_router_binary)}
-WORKLOADS = ["shared_prefix", "mtbench", "unique", "heavy_orgs", "heavy_orgs_burst"]
-GENERATED = {"heavy_orgs": "heavy4-closed8", "heavy_orgs_burst": "heavy4-burst16"}
+WORKLOADS = ["shared_prefix", "mtbench", "unique", "heavy_orgs", "heavy_orgs_burst", "orgs_layered"]
+GENERATED = {"heavy_orgs": "heavy4-closed8", "heavy_orgs_burst": "heavy4-burst16",
+             "orgs_layered": "layered-4orgs-closed8"}
+# The client caps every request's max_tokens at this (replicas decode fast, the run stays short).
+MAX_TOKENS = 32
 
 
 def build(name: str, args: argparse.Namespace) -> Workload:
@@ -112,7 +132,7 @@ async def _send_factory(gws: list[Any], model: str, seed: int = 7) -> Any:
     async def send(req: Request) -> Usage:
         gw = gws[pick.randrange(len(gws))]  # a Service spreads clients over the instances
         body = {**req.body(), "model": model, "stream": True, "stream_options": {"include_usage": True}}
-        body["max_tokens"] = max(1, min(int(body.get("max_tokens") or req.output_tokens or 16), 32))
+        body["max_tokens"] = max(1, min(int(body.get("max_tokens") or req.output_tokens or 16), MAX_TOKENS))
         path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
         t0 = time.perf_counter()
         ttft = None
@@ -142,6 +162,24 @@ def _fleet_ratio(urls: list[str]) -> float:
         hits += m.get("prefix_hits", 0.0)
         queries += m.get("prefix_queries", 0.0)
     return hits / queries if queries else 0.0
+
+
+def workload_pool(workload: Workload, args: argparse.Namespace) -> PoolSize:
+    """Each replica's KV pool for ``workload`` (``bench.pools.pool_size``; ``--kv-tokens``/``--kv-blocks`` override)."""
+    loop = ClosedLoop.of(args.clients, args.burst) or workload.closed_loop
+    override = args.kv_tokens or args.kv_blocks * BLOCK_SIZE
+    return pool_size(workload, args.replicas, args.pool_ratio, clients=loop.clients if loop else 0,
+                     kv_tokens=override, block_size=BLOCK_SIZE, max_output=MAX_TOKENS)
+
+
+def resize(sims: list[Sim], blocks: int) -> None:
+    """Restart the replicas whose pool is not ``blocks`` blocks with that pool (same ports), in parallel."""
+    stale = [s for s in sims if s.flags.get("kv_blocks") != blocks]
+    for s in stale:
+        s.flags["kv_blocks"] = blocks
+    if stale:
+        with ThreadPoolExecutor(len(stale)) as pool:
+            list(pool.map(Sim.restart, stale))
 
 
 def reset(sims: list[Any]) -> None:
@@ -246,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (before --speed)")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per replica (16-token blocks)")
+    p.add_argument("--pool-ratio", type=float, default=DEFAULT_RATIO,
+                   help="the fleet's KV pools hold this many times the reused working set (meant for 1.5-3)")
+    p.add_argument("--kv-tokens", type=int, default=0, help="KV pool per replica in tokens (overrides --pool-ratio)")
+    p.add_argument("--kv-blocks", type=int, default=0,
+                   help="KV pool per replica in 16-token blocks (overrides --pool-ratio; --kv-tokens wins)")
     p.add_argument("--instances", type=int, default=1, help="kvgate processes (requests spread at random)")
     p.add_argument("--redis-url", default=None, help=f"Redis for {SHARED} (default: a private redis-server)")
     p.add_argument("--precise", action="store_true",
@@ -266,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     if SHARED in args.policies and args.redis_url is None:
         redis = RedisProc().start()
         args.redis_url = redis.url
-    flags = {"kv_blocks": args.kv_blocks, "prefill_s_per_token": 0.00005, "decode_base_s": 0.005,
+    workloads = {name: build(name, args) for name in args.workloads}
+    pools = {name: workload_pool(w, args) for name, w in workloads.items()}
+    flags = {"kv_blocks": pools[args.workloads[0]].blocks, "prefill_s_per_token": 0.00005, "decode_base_s": 0.005,
              "max_num_seqs": 16}
     names = [f"r{i + 1}" for i in range(args.replicas)]
     args.tokenizer = tokenizer_dir() if args.precise else None
@@ -274,14 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-route-e2e-"))
     out: list[dict[str, Any]] = []
     try:
-        print(HEADER)
-        for name in args.workloads:
-            workload = build(name, args)
+        for name, workload in workloads.items():
+            pool = pools[name]
+            resize(sims, pool.blocks)
+            print(f"\n{name}: {pool.describe()}\n{HEADER}", flush=True)
             for policy in args.policies:
                 reset(sims)
                 r = asyncio.run(run_policy(policy, workload, sims, workdir, args, args.redis_url))
                 print(_row(name, r), flush=True)
-                out.append({"workload": name, "description": workload.description, **r})
+                out.append({"workload": name, "description": workload.description, "pool_tokens": pool.kv_tokens,
+                            "working_set_tokens": pool.working_set, **r})
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "routing_e2e.json").write_text(json.dumps(out, indent=1))
     finally:

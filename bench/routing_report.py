@@ -1,8 +1,10 @@
 """Tables and the plot for ``bench/routing.py`` (formatting only; no simulation here).
 
-Columns: ``%ideal`` is the hit ratio over one infinite cache's; ``%ref`` over
-the bounded omniscient reference's (``bench.routing_reference``: the reuse
-available under the same load cap); ``max/mean`` is time-averaged replica
+Columns: ``hit`` is the fleet's prefix-cache hit ratio (tokens), absolute;
+``%ideal`` that over one infinite cache's; ``%ref`` over the run-level bounded
+omniscient reference's (``bench.routing_reference``, ``run_bounded_reference``:
+greedy longest cached prefix, each replica within ceil(1.3 x mean) of the
+requests placed over the run); ``max/mean`` is time-averaged replica
 load; ``req m/m`` max/mean per-replica request counts over the run;
 ``if/bound`` the max over decisions of the chosen replica's in-flight over
 the bounded-loads cap (above 1: the cap was broken at least once).
@@ -25,7 +27,7 @@ class Row:
     label: str
     stats: RunStats
     ideal: float
-    reference: float | None = None  # the bounded reference's hit ratio on the same replay
+    reference: float | None = None  # the run-level bounded reference's hit ratio on the same replay
 
     @property
     def of_reference(self) -> float:
@@ -51,6 +53,9 @@ class WorkloadReport:
     rows: list[Row] = field(default_factory=list)
     reference: float | None = None
     notes: list[str] = field(default_factory=list)
+    pool: str = ""  # how each replica's KV pool was sized (bench.pools.PoolSize.describe)
+    pool_tokens: int | None = None
+    working_set: int | None = None
 
 
 HEADER = ["policy", "inst", "hit", "%ideal", "%ref", "TTFT p50", "TTFT p95", "out tok/s", "max/mean",
@@ -75,8 +80,10 @@ def format_table(reports: list[WorkloadReport]) -> str:
     lines: list[str] = []
     for rep in reports:
         lines.append(f"\n## {rep.name}: {rep.description}")
-        ref = f"; bounded reference {rep.reference:.3f}" if rep.reference is not None else ""
+        ref = f"; run-bounded reference {rep.reference:.3f}" if rep.reference is not None else ""
         lines.append(f"ideal hit ratio (one infinite cache) {rep.ideal:.3f}{ref}; arrival rate {rep.rate:.2f} req/s")
+        if rep.pool:
+            lines.append(rep.pool)
         table = [HEADER] + [row.cells() for row in rep.rows]
         widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
         for k, r in enumerate(table):
@@ -106,8 +113,8 @@ def write_json(reports: list[WorkloadReport], path: Path) -> None:
                 "dropped": s.dropped, "wall_s": s.wall_s,
             })
         out.append({"workload": rep.name, "description": rep.description, "ideal": rep.ideal,
-                    "reference": rep.reference,
-                    "rate": rep.rate, "rows": rows, "notes": rep.notes})
+                    "reference": rep.reference, "pool_tokens": rep.pool_tokens, "working_set_tokens": rep.working_set,
+                    "pool": rep.pool, "rate": rep.rate, "rows": rows, "notes": rep.notes})
     path.write_text(json.dumps(out, indent=1))
 
 

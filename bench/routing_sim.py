@@ -10,10 +10,15 @@ between prefills every running sequence decodes one token per step of
 so the cost is per request, not per engine step, and an hour of traffic
 replays in seconds.
 
+Replicas may differ in speed (``SimSettings.speeds``): replica i prefills at
+``speeds[i]`` times the timing model's rate (its own ``TimingModel`` copy).
+
 Routers are ``RoutingPolicy`` objects, one per gateway instance, each with its
 own ``ReplicaView`` objects: its own in-flight counts, plus the replicas'
-scraped metrics (running, waiting, KV usage), refreshed every ``scrape_s`` and
-shared by all instances, as ``gateway.pool`` does. A request picks an instance
+scraped metrics (running, waiting, KV usage, the prefill rate learned from
+vLLM's two per-request prefill histograms, ``routing.rates``, and the KV pool's
+size in tokens), refreshed every ``scrape_s`` and shared by all instances, as
+``gateway.pool`` does. A request picks an instance
 uniformly at random (clients spread over gateway pods by a Service), is routed
 to the first replica of its preference order, and on completion its instance
 calls ``observe`` with the engine's real ``cached_tokens``.
@@ -53,13 +58,14 @@ import math
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from routing.base import RouteFeedback, RouteRequest, RoutingPolicy
 from routing.kv_events import KVEvents
 from routing.kv_index import KVEventIndex
 from routing.kv_wire import decode_batch
+from routing.rates import prefill_rate
 from vllm_sim.kv import Allocation, KVPool
 from vllm_sim.kv_events import encode_batch
 from vllm_sim.timing import TimingModel
@@ -95,6 +101,9 @@ class SimSettings:
     # From the end of the step that stored the blocks to the index: a ZMQ hop on a LAN
     # and the consumer's turn on its event loop, a few milliseconds.
     event_delay_s: float = 0.005
+    # Replica i prefills at speeds[i] x the timing model's rate (0.5: every prefill takes
+    # twice as long; decode unchanged). None: all at 1.0.
+    speeds: tuple[float, ...] | None = None
 
 
 def token_ids(req: Request, block_size: int) -> list[int]:
@@ -146,6 +155,8 @@ class SimView:
     running: float | None = None
     kv_usage: float | None = None
     in_flight_at_scrape: int = 0
+    prefill_rate: float | None = None
+    kv_tokens: float | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -158,17 +169,24 @@ class _Job:
     alloc: Allocation | None = None
     ttft: float | None = None
     kv_wait: float = 0.0  # time spent queued while its replica's next job could not get KV blocks
+    prefill_s: float = 0.0  # its prefill step's length: from its scheduling to its first token
 
 
 class SimEngine:
     """One replica: KV pool, waiting queue, running batch, and a prefill in progress."""
 
-    def __init__(self, name: str, settings: SimSettings) -> None:
+    def __init__(self, name: str, settings: SimSettings, speed: float = 1.0) -> None:
         self.name = name
         self.pool = KVPool(max(1, settings.kv_tokens // settings.block_size), settings.block_size,
                            events=settings.kv_events)
         self.block_size = settings.block_size
-        self.timing = settings.timing
+        # Its own copy when it runs at another speed (the settings' model is shared otherwise).
+        self.timing = settings.timing if speed == 1.0 else replace(settings.timing, prefill_speed=speed)
+        # vLLM's two per-request prefill histograms' _sums, added when a request finishes:
+        # seconds from its scheduling to its first token (its batch's prefill step, whole,
+        # for every job of the batch), and its prompt tokens not served from the cache.
+        self.prefill_seconds_sum = 0.0
+        self.prefill_tokens_sum = 0
         self.max_batched = settings.max_batched_tokens
         self.waiting: deque[_Job] = deque()
         self.running: list[tuple[float, int, _Job]] = []  # (decode progress at which it finishes, seq, job)
@@ -260,6 +278,8 @@ class RunStats:
     over_bound: int = 0
     # Most requests in flight fleet-wide at once (a closed loop never passes its client count).
     max_in_flight: int = 0
+    # Each replica's prefill rate as a scrape at the end of the run reads it (routing.rates).
+    prefill_rates: list[float | None] = field(default_factory=list)
 
     @property
     def hit_ratio(self) -> float:
@@ -323,7 +343,10 @@ class _Fleet:
             for policy in self.policies:
                 if hasattr(policy, "truth"):
                     policy.truth = BenchTruth(self.index, lambda: self.now)  # type: ignore[attr-defined]
-        self.engines = [SimEngine(f"r{i}", settings) for i in range(settings.replicas)]
+        speeds = settings.speeds or (1.0,) * settings.replicas
+        if len(speeds) != settings.replicas:
+            raise ValueError(f"speeds: {len(speeds)} figures for {settings.replicas} replicas")
+        self.engines = [SimEngine(f"r{i}", settings, speeds[i]) for i in range(settings.replicas)]
         self.by_name = {e.name: e for e in self.engines}
         self.views = [[SimView(e.name) for e in self.engines] for _ in self.policies]
         self.view_of = [{v.name: v for v in views} for views in self.views]
@@ -417,7 +440,10 @@ class _Fleet:
         e.version += 1
         if batch:
             e.prefill, e.decoding = batch, False
-            done = e.prefill_end = now + e.timing.prefill_time(uncached)
+            duration = e.timing.prefill_time(uncached)
+            done = e.prefill_end = now + duration
+            for job in batch:
+                job.prefill_s = duration
             self.push(done, _STEP, e, e.version)
             events = e.pool.take_events()
             if events and self.index is not None:
@@ -441,6 +467,9 @@ class _Fleet:
         if e.prefill:
             for job in e.prefill:
                 job.ttft = now - job.arrival
+                started = getattr(self.policies[job.instance], "started", None)
+                if started is not None:  # the first token reaches the gateway (a stream's first byte)
+                    started(job.route, e.name)
                 self.seq += 1
                 heapq.heappush(e.running, (e.progress + job.req.output_tokens - 1, self.seq, job))
             e.prefill = []
@@ -452,9 +481,11 @@ class _Fleet:
         e, req = job.engine, job.req
         assert job.alloc is not None and job.ttft is not None
         e.pool.release(job.alloc)
+        e.prefill_seconds_sum += job.prefill_s
+        e.prefill_tokens_sum += req.prompt_tokens - job.alloc.cached_tokens
         self.view_of[job.instance][e.name].in_flight -= 1
         self.policies[job.instance].observe(
-            job.route, RouteFeedback(e.name, req.prompt_tokens, job.alloc.cached_tokens, True))
+            job.route, RouteFeedback(e.name, req.prompt_tokens, job.alloc.cached_tokens, True, ttft_s=job.ttft))
         self._publish(job.instance, now)
         st = self.stats
         st.prompt_tokens += req.prompt_tokens
@@ -493,9 +524,12 @@ class _Fleet:
     def scrape(self) -> None:
         for e in self.engines:
             running, waiting, usage = float(len(e.running) + len(e.prefill)), float(len(e.waiting)), e.pool.usage
+            rate = prefill_rate(float(e.prefill_tokens_sum), e.prefill_seconds_sum)
+            kv_tokens = float(e.pool.num_blocks * e.block_size)
             for views in self.view_of:
                 v = views[e.name]
                 v.running, v.waiting, v.kv_usage = running, waiting, usage
+                v.prefill_rate, v.kv_tokens = rate, kv_tokens
                 v.in_flight_at_scrape = v.in_flight
 
     # -- main loop ---------------------------------------------------------------------
@@ -533,6 +567,7 @@ class _Fleet:
             self.stats.loads.append(e.load_area / self.stats.makespan if self.stats.makespan else 0.0)
             self.stats.busy.append(e.busy / self.stats.makespan if self.stats.makespan else 0.0)
             self.stats.requests_per_replica.append(e.requests)
+            self.stats.prefill_rates.append(prefill_rate(float(e.prefill_tokens_sum), e.prefill_seconds_sum))
         return self.stats
 
 

@@ -33,6 +33,7 @@ from .admin_tenants import tenant_routes
 from .asgi_io import Receive, Scope, Send
 from .errors import BadRequest, Forbidden, GatewayError, NotFound, Unauthorized, error_payload
 from .pool import snapshot
+from .routing_explain import ExplainIn, explain
 from .runtime import Runtime
 from .settings import ReplicaSettings
 
@@ -59,7 +60,7 @@ class PurgeIn(_Body):
 
 
 class RoutingIn(_Body):
-    policy: str | None = Field(None, pattern=r"^(prefix_affinity|least_load|round_robin|consistent_hash|cost)$")
+    policy: str | None = Field(None, pattern=r"^(prefix_affinity|ttft|least_load|round_robin|consistent_hash|cost)$")
     epsilon: float | None = Field(None, ge=0, le=10)
 
 
@@ -171,6 +172,9 @@ def _routes(rt: Runtime) -> list[Route]:
         rt.set_routing(policy=body.policy, epsilon=body.epsilon)
         return JSONResponse(rt.routing_stats())
 
+    async def explain_route(request: Request) -> Response:
+        return JSONResponse(await explain(rt, await _json(request, ExplainIn)))
+
     async def cache(request: Request) -> Response:
         return JSONResponse(rt.cache_stats())
 
@@ -201,6 +205,7 @@ def _routes(rt: Runtime) -> list[Route]:
         Route("/admin/replicas/{name}/undrain", g(undrain), methods=["POST"]),
         Route("/admin/routing", g(routing), methods=["GET"]),
         Route("/admin/routing", g(set_routing), methods=["PATCH"]),
+        Route("/admin/routing/explain", g(explain_route), methods=["POST"]),
         Route("/admin/cache", g(cache), methods=["GET"]),
         Route("/admin/cache/purge", g(purge), methods=["POST"]),
         Route("/admin/hygiene", g(hygiene), methods=["GET"]),

@@ -57,9 +57,13 @@ _SCHEMAS: dict[str, Any] = {
         "older_than_s": {"type": "number", "minimum": 0, "nullable": True}}},
     "RoutingIn": {"type": "object", "additionalProperties": False, "properties": {
         "policy": {"type": "string", "nullable": True,
-                   "enum": ["prefix_affinity", "least_load", "round_robin", "consistent_hash", "cost"],
+                   "enum": ["prefix_affinity", "ttft", "least_load", "round_robin", "consistent_hash", "cost"],
                    "description": "cost: the former name of prefix_affinity"},
         "epsilon": {"type": "number", "minimum": 0, "maximum": 10, "nullable": True}}},
+    "ExplainIn": {"type": "object", "additionalProperties": False, "required": ["body"], "properties": {
+        "endpoint": {"type": "string", "enum": ["chat", "completions"]},
+        "tenant": {**_NAME, "nullable": True},
+        "body": {"type": "object", "description": "the request as a client would send it"}}},
     "TenantIn": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
         "name": _NAME, "namespace": {**_NAME, "nullable": True},
         "models": {"type": "array", "items": {"type": "string"}, "nullable": True},
@@ -106,6 +110,9 @@ def openapi_document() -> dict[str, Any]:
         "/admin/routing": {"get": _op("Routing policy and affinity statistics", "200", schema=_OBJ),
                            "patch": _op("Change policy or epsilon", "200", schema=_OBJ, body="RoutingIn",
                                         errors=("400",))},
+        "/admin/routing/explain": {"post": _op("Every replica's predicted time to first token for a request, "
+                                               "its terms and rails, the pick first (nothing learned)", "200",
+                                               schema=_OBJ, body="ExplainIn", errors=("400", "404"))},
         "/admin/cache": {"get": _op("Semantic-cache statistics", "200", schema=_OBJ)},
         "/admin/cache/purge": {"post": _op("Purge by tenant, model or age", "200", schema=_OBJ, body="PurgeIn",
                                            errors=("400",))},

@@ -30,3 +30,6 @@ class RequestContext:
     cache_req: Any = None  # set when the answer may be stored in the semantic cache
     cache_embedding: Any = None  # the lookup's embedding of the query, for the store to reuse
     protocol: Any = None  # a protocol's own per-request state (the Responses API's replica pin)
+    # Told when the replica's first token arrives (a stream's first event): the routing
+    # policy learns that the request's prefill is done there (``started``), if it asks.
+    first_token: Any = None

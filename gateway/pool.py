@@ -11,7 +11,10 @@ detection): consecutive 5xx or connect errors eject a replica for
 returns when the ejection has expired and an active check passes. A 429 is
 back-pressure and never counts. Load: ``vllm:num_requests_running`` /
 ``_waiting`` / ``kv_cache_usage_perc`` scraped from ``/metrics`` about every
-second, the view every gateway instance shares.
+second, the view every gateway instance shares. From the same scrape, each
+replica's prefill rate (``routing.rates``: the ``_sum``s of vLLM's per-request
+prefill histograms) and the size of its KV pool in tokens (``num_gpu_blocks`` x
+``block_size``, labels of ``vllm:cache_config_info``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import httpx
+
+from routing.rates import RATE_METRICS, prefill_rate
 
 from .settings import PoolSettings, ReplicaSettings
 
@@ -50,6 +55,8 @@ class Replica:
     running: float | None = None
     kv_usage: float | None = None
     in_flight_at_scrape: int = 0
+    prefill_rate: float | None = None
+    kv_tokens: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
     served: int = 0
@@ -318,11 +325,18 @@ _GAUGES = {
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:gpu_prefix_cache_queries_total": "prefix_queries",
     "vllm:gpu_prefix_cache_hits_total": "prefix_hits",
+    # Not replica attributes: apply_vllm_metrics turns the two into prefill_rate.
+    **RATE_METRICS,
 }
+_CACHE_INFO = "vllm:cache_config_info"
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum the samples of the metrics kvgate reads, across label sets (one per model)."""
+    """Sum the samples of the metrics kvgate reads, across label sets (one per model or engine).
+
+    ``kv_tokens``: ``num_gpu_blocks`` x ``block_size`` from ``vllm:cache_config_info``'s
+    labels, summed over its engines (each has a pool of its own); absent while vLLM
+    has not sized its pool (``num_gpu_blocks="None"``)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -332,6 +346,10 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         name = line[: name_end if name_end >= 0 else line.find(" ")]
         attr = _GAUGES.get(name)
         if attr is None:
+            if name == _CACHE_INFO and name_end >= 0:
+                tokens = _pool_tokens(line[name_end:space])
+                if tokens is not None:
+                    out["kv_tokens"] = out.get("kv_tokens", 0.0) + tokens
             continue
         try:
             value = float(line[space + 1:])
@@ -341,8 +359,33 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def _label(labels: str, key: str) -> str | None:
+    """The value of label ``key`` in a ``{a="x",b="y"}`` block (values here never hold quotes)."""
+    for opener in ("{", ","):
+        start = labels.find(f'{opener}{key}="')
+        if start >= 0:
+            start += len(key) + 3
+            end = labels.find('"', start)
+            return labels[start:end] if end >= 0 else None
+    return None
+
+
+def _pool_tokens(labels: str) -> float | None:
+    blocks, block_size = _label(labels, "num_gpu_blocks"), _label(labels, "block_size")
+    try:
+        tokens = int(blocks or "") * int(block_size or "")
+    except ValueError:
+        return None  # "None" before vLLM sizes the pool, or missing
+    return float(tokens) if tokens > 0 else None
+
+
 def apply_vllm_metrics(replica: Replica, text: str) -> None:
-    for attr, value in parse_vllm_metrics(text).items():
+    values = parse_vllm_metrics(text)
+    tokens_sum, seconds_sum = values.pop("prefill_tokens_sum", None), values.pop("prefill_seconds_sum", None)
+    if tokens_sum is not None and seconds_sum is not None:
+        # None again after a restart (the counters start at zero) until a prefill finishes.
+        replica.prefill_rate = prefill_rate(tokens_sum, seconds_sum)
+    for attr, value in values.items():
         setattr(replica, attr, value)
     # Which of the reported requests were ours (routing.base.load_now).
     replica.in_flight_at_scrape = replica.in_flight
@@ -359,6 +402,6 @@ def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:
             "available": r.available(now), "draining": r.draining, "ejected": r.ejected(now),
             "ejections": r.ejections, "in_flight": r.in_flight, "running": r.running, "waiting": r.waiting,
             "kv_usage": r.kv_usage, "prefix_hit_rate": hit, "served": r.served, "failures": r.failures,
-            "weight": r.weight, "source": r.source,
+            "weight": r.weight, "source": r.source, "prefill_rate": r.prefill_rate, "kv_tokens": r.kv_tokens,
         })
     return rows

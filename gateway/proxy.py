@@ -134,6 +134,9 @@ class ProxyEndpoint:
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
         )
         attempt = await self._open(route, call, ctx)
+        started = getattr(rt.policy, "started", None)
+        if started is not None:
+            ctx.first_token = partial(started, route, attempt.replica.name)
         try:
             replica = attempt.replica
             outcome = await self._forward(ctx, exchange, attempt)
@@ -141,7 +144,8 @@ class ProxyEndpoint:
                 started = time.perf_counter()
                 rt.policy.observe(route, RouteFeedback(
                     replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
-                    outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None))
+                    outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None,
+                    ttft_s=outcome.ttft_s))
                 rt.decision_times.add(attempt.prefer_s + time.perf_counter() - started)
             stages.after_response(rt, ctx, replica.name, outcome)
             return replica.name, outcome
@@ -189,7 +193,8 @@ class ProxyEndpoint:
             observer = MessagesObserver() if self.endpoint == "messages" else \
                 StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
             return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
-                                      stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete)
+                                      stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete,
+                                      on_first=ctx.first_token)
         return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s,
                                  on_complete=on_complete)
 

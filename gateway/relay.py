@@ -102,6 +102,7 @@ async def _drain(it: AsyncIterator[bytes], limit: int = 64 * 1024) -> None:
 async def relay_stream(
     response: httpx.Response, exchange: Exchange, observer: StreamObserver, *,
     first_byte_s: float, stall_s: float, started_at: float, on_complete: OnComplete | None = None,
+    on_first: Callable[[], None] | None = None,
 ) -> Outcome:
     outcome = Outcome()
     it = response.aiter_raw().__aiter__()
@@ -121,6 +122,8 @@ async def relay_stream(
     except httpx.HTTPError:
         raise UpstreamError("replica failed before the first token") from None
     outcome.ttft_s = time.perf_counter() - started_at
+    if on_first is not None:
+        on_first()
     await exchange.start(200, SSE_HEADERS)
     if observer.done and on_complete is not None:  # the whole answer came in one chunk
         await on_complete(_observed(outcome, observer))

@@ -21,6 +21,7 @@ from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore
 from routing import RoutingPolicy, RoutingSettings, dns_target, make_policy, resolve
 from routing import _native as routing_native
 from routing.prefix_affinity import PrefixAffinity
+from routing.ttft_affinity import TTFTAffinity
 from routing.kv_events import KVEvents
 from routing.tokenization import Tokenization
 
@@ -177,7 +178,7 @@ class Runtime:
             log.warning("routing.share_index needs redis_url; routing on this instance's knowledge only")
             routing = routing.model_copy(update={"share_index": False})
         policy = make_policy(routing)
-        if isinstance(policy, PrefixAffinity):
+        if isinstance(policy, (PrefixAffinity, TTFTAffinity)):
             policy.truth = self.kv_events
         return policy
 
@@ -285,11 +286,11 @@ class Runtime:
         out.update(self.routing_counts)
         if self.kv_events is not None:
             out["kv_events"] = self.kv_events.stats()
-            if not isinstance(self.policy, PrefixAffinity):
-                # Only prefix affinity reads the events; say so instead of claiming precision.
+            if not isinstance(self.policy, (PrefixAffinity, TTFTAffinity)):
+                # Only the prefix policies read the events; say so instead of claiming precision.
                 for row in out["kv_events"]["replicas"].values():
                     row["mode"] = "approximate"
-                out["kv_events"]["note"] = "precise mode needs routing.policy: prefix_affinity"
+                out["kv_events"]["note"] = "precise mode needs routing.policy: prefix_affinity or ttft"
         configured = [m for r in self.settings.replicas for m in r.models]
         out["tokenization"] = self.tokenization.stats(configured + self.pool.models(healthy_only=False))
         if self.routing_sync is not None and isinstance(out.get("shared_facts"), dict):

@@ -226,6 +226,10 @@ class TenantRegistry:
     def tenant(self, name: str) -> Tenant | None:
         return self._index.tenants.get(name)
 
+    def default_tenant(self) -> Tenant | None:
+        """The tenant of a request without a key: there is one only while no tenant is configured."""
+        return self._default if self._index.open_mode else None
+
     # -- building the index ---------------------------------------------------
     def _build(self, snap: Snapshot) -> _Index:
         tenants: dict[str, Tenant] = {}

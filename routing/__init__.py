@@ -33,6 +33,7 @@ from .membership import dns_target, resolve
 from .prefix_affinity import PrefixAffinity
 from .round_robin import RoundRobin
 from .settings import RoutingSettings
+from .ttft_affinity import TTFTAffinity
 
 __all__ = [
     "ReplicaView", "RouteFeedback", "RouteRequest", "RoutingPolicy", "RoutingSettings", "load_now",
@@ -48,4 +49,6 @@ def make_policy(settings: RoutingSettings) -> RoutingPolicy:
         return RoundRobin()
     if settings.policy == "consistent_hash":
         return ConsistentHash(settings)
+    if settings.policy == "ttft":
+        return TTFTAffinity(settings)
     return PrefixAffinity(settings)

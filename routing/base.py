@@ -29,6 +29,11 @@ class ReplicaView(Protocol):
     kv_usage: float | None
     # This instance's in-flight count when those metrics were read.
     in_flight_at_scrape: int
+    # Learned from the same /metrics (routing.rates): prompt tokens the replica computes per
+    # second of prefill, and the size of its KV pool in tokens (vllm:cache_config_info's
+    # num_gpu_blocks x block_size). None until the replica has said.
+    prefill_rate: float | None
+    kv_tokens: float | None
 
 
 def reported(replica: ReplicaView) -> float | None:
@@ -81,6 +86,8 @@ class RouteFeedback:
     prompt_tokens: int | None
     cached_tokens: int | None
     ok: bool
+    # Seconds from sending the request to its first token, where the gateway saw it (a stream).
+    ttft_s: float | None = None
 
 
 class RoutingPolicy(Protocol):

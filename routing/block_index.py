@@ -121,6 +121,28 @@ class BlockIndex:
             fresh[h] = fresh.get(h, 0) | flag
         self._age()
 
+    def positions(self, n_blocks: int) -> list[int]:
+        """The positions ``add`` records for a chain of ``n_blocks`` (root first)."""
+        upto = self._upto(n_blocks)
+        out = list(self._positions[:upto])
+        if upto and self._tails:
+            out.extend(range(self._positions[upto - 1] + 1, n_blocks))
+        return out
+
+    def forget(self, hashes: Sequence[int], bit: int) -> None:
+        """Replica ``bit`` no longer holds these entries (its pool evicted them)."""
+        keep = ~(1 << bit)
+        young, old, fresh = self._young, self._old, self._fresh
+        for h in hashes:
+            for gen in (young, old, fresh):
+                m = gen.get(h)
+                if m is not None:
+                    m &= keep
+                    if m:
+                        gen[h] = m
+                    else:
+                        del gen[h]
+
     def add_key(self, key: int, bit: int) -> None:
         """Record that replica ``bit`` holds the prefix a routing key names (its exact cut)."""
         young = self._young

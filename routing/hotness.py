@@ -41,17 +41,6 @@ class Popularity:
         """One more request routed (the denominator of every share)."""
         self._tick += 1
 
-    def share(self, key: int, window: int) -> float:
-        """Estimated fraction of requests carrying ``key``; 0.0 for a key never seen.
-
-        The ``window`` floor keeps a young key from looking hot: two turns of one
-        conversation a second apart are 2 of ``window`` requests, not 2 of 2.
-        """
-        entry = self._young.get(key) or self._old.get(key)
-        if entry is None:
-            return 0.0
-        return entry[0] / max(self._tick - entry[1] + 1, window)
-
     def first_narrow(self, keys: list[int], window: int, wide: float, record: bool) -> int:
         """The index of the first key whose share is at most ``wide`` (else the last),
         and with ``record`` each key counted for this request: one pass for both."""

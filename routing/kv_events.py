@@ -37,11 +37,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import zmq.asyncio
 
+from .base import RouteRequest
 from .kv_consumer import EventStream
 from .kv_index import KVEventIndex
 from .kv_wire import Batch
+from .token_keys import block_keys
 
 __all__ = ["KVEvents", "Endpoints"]
+
+# Where a request's token-block keys are kept once computed (its scratch).
+_KEYS = "kvgate.block_keys"
 
 # (PUB endpoint, replay endpoint or None) per replica name.
 Endpoints = Mapping[str, "tuple[str, str | None]"]
@@ -147,6 +152,21 @@ class KVEvents:
     def disagrees(self, name: str) -> bool:
         """None of the last ``AGREEMENT_WINDOW`` requests served at ``name`` appeared in its events."""
         return self._misses.get(name, 0) >= AGREEMENT_WINDOW
+
+    def request_keys(self, request: RouteRequest) -> list[int]:
+        """The request's token-block keys as the events key blocks, once per request (empty
+        without token ids). A LoRA adapter's blocks are not its base model's
+        (``routing.token_keys``): keyed under its name once the events have shown one, as vLLM
+        names it (the model requested)."""
+        keys = request.scratch.get(_KEYS)
+        if keys is None:
+            tokens = request.token_ids
+            salt = request.body.get("cache_salt")
+            lora = request.model if request.model in self.index.adapters else None
+            keys = block_keys(tokens, self.block_size, salt if isinstance(salt, str) else None,
+                              lora=lora) if tokens else []
+            request.scratch[_KEYS] = keys
+        return keys  # type: ignore[no-any-return]
 
     def held(self, keys: Sequence[int], names: Iterable[str]) -> dict[str, float]:
         """Cached blocks of ``keys``' prefix per replica with a live stream (the others are absent)."""

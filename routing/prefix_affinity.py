@@ -100,7 +100,7 @@ same token count.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .backlog import CHARS_PER_TOKEN, Backlog
 from .base import ReplicaView, RouteFeedback, RouteRequest, reported
@@ -108,7 +108,6 @@ from .block_index import BlockIndex, ReplicaBits
 from .gossip import HELD, PLACED, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
 from .kv_events import KVEvents
-from .token_keys import block_keys
 from .rendezvous import Rendezvous, within_bound
 from .settings import RoutingSettings
 
@@ -116,8 +115,7 @@ __all__ = ["PrefixAffinity"]
 
 # Where a request was sent, in its scratch: a retry elsewhere is news for ``observe``.
 _SENT = "kvgate.sent"
-# Its token-block keys (precise mode), and its entry among the requests in flight.
-_KEYS = "kvgate.block_keys"
+# Its entry among the requests in flight (precise mode).
 _PENDING = "kvgate.pending"
 # Its mark in the chosen replica's prefill backlog.
 _MARK = "kvgate.backlog_mark"
@@ -137,7 +135,8 @@ class PrefixAffinity:
         self.keyer = PrefixKeyer(self.settings, layers_inside_messages=False)
         self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks, tails=True)
         self.bits = ReplicaBits()
-        self.backlog = Backlog(self.settings.prefill_tokens_per_s, clock)
+        self.backlog = Backlog(clock)
+        self._rate = self.settings.prefill_tokens_per_s
         self.gossip = Gossip() if self.settings.share_index else None
         self._orders = Rendezvous()
         # The mean prompt work of this instance's requests: what another client's
@@ -166,7 +165,7 @@ class PrefixAffinity:
             self.truth.done(request.scratch.pop(_PENDING, None), served=feedback.ok, replica=feedback.replica)
         mark = request.scratch.pop(_MARK, None)
         if mark is not None:
-            self.backlog.done(mark[0], mark[1])
+            self.backlog.done(mark[0], mark[1], self._rate)
         if not feedback.ok or request.scratch.get(_SENT) == feedback.replica:
             return  # nothing learned, or recorded when it was sent there
         info = analyse(request, self.settings, self.keyer.chains)
@@ -203,8 +202,16 @@ class PrefixAffinity:
         self.index.add(info.hashes, bit, known)
         self.index.add_key(route.key, bit)
 
-    def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool) -> list[ReplicaView]:
-        if len(replicas) < 2:
+    def explain(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[dict[str, Any]]:
+        """Every replica's terms, in the order ``prefer`` would give, without learning anything
+        (``POST /admin/routing/explain``): the cost and its parts, in prompt tokens."""
+        rows: list[dict[str, Any]] = []
+        self._rank(request, replicas, learn=False, rows=rows)
+        return rows
+
+    def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool,
+              rows: list[dict[str, Any]] | None = None) -> list[ReplicaView]:
+        if len(replicas) < 2 and rows is None:
             return list(replicas)
         info = analyse(request, self.settings, self.keyer.chains)
         route = self.keyer.key_for(request, len(replicas), learn=learn)
@@ -222,6 +229,12 @@ class PrefixAffinity:
         refused = len(picks) < len(order)
         if refused:
             picks += sorted((i for i in range(len(order)) if not fits[i]), key=lambda i: (now[i], i))
+        if rows is not None:
+            prompt = max(uncached) if uncached else 0.0
+            rows.extend({"replica": order[i].name, "cost": cost[i], "uncached": uncached[i],
+                         "held": prompt - uncached[i] if prompt else 0.0, "in_flight": now[i],
+                         "typical": typical, "home": i == 0, "rail": None if fits[i] else "bound"}
+                        for i in picks)
         if learn:
             if refused and not fits[min(range(len(order)), key=lambda i: (cost[i], uncached[i], i))]:
                 self.bound_overrides += 1  # the cost's choice was past the bound
@@ -243,19 +256,7 @@ class PrefixAffinity:
 
     def _keys(self, request: RouteRequest) -> list[int]:
         """The request's token-block keys, once per request; empty without token ids or truth."""
-        if self.truth is None:
-            return []
-        keys = request.scratch.get(_KEYS)
-        if keys is None:
-            tokens = request.token_ids
-            salt = request.body.get("cache_salt")
-            # A LoRA adapter's blocks are not its base model's (routing.token_keys): keyed under
-            # its name once the events have shown one, as vLLM names it (the model requested).
-            lora = request.model if request.model in self.truth.index.adapters else None
-            keys = block_keys(tokens, self.truth.block_size, salt if isinstance(salt, str) else None,
-                              lora=lora) if tokens else []
-            request.scratch[_KEYS] = keys
-        return keys  # type: ignore[no-any-return]
+        return self.truth.request_keys(request) if self.truth is not None else []
 
     def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], precise: dict[str, float],
               request: RouteRequest, now: list[float], waiting: list[float], others: float,
@@ -287,7 +288,7 @@ class PrefixAffinity:
         # Knows nothing of the request past its key: only then can another instance's fact
         # (share_index) say more than this instance's own blocks.
         blind = self.gossip is not None and max(depths.values(), default=0) * info.block <= route.cut
-        queued = self.backlog.queued(r.name for r in order)
+        queued = self.backlog.queued([r.name for r in order], [self._rate] * len(order))
         bit_of, shared, block_chars = self.bits.get, float(route.shared), info.block
         for i, r in enumerate(order):
             ahead.append(queued[i] + waiting[i] * typical + (astray if i else 0.0))
@@ -327,7 +328,7 @@ class PrefixAffinity:
     def _commit(self, request: RouteRequest, info: PrefixInfo, route: RouteKey, chosen: ReplicaView,
                 uncached: float, home: ReplicaView, depths: dict[int, int]) -> None:
         """What a decision teaches: the chosen replica's queue grows, and it will hold the prompt."""
-        request.scratch[_MARK] = (chosen.name, self.backlog.add(chosen.name, uncached))
+        request.scratch[_MARK] = (chosen.name, self.backlog.add(chosen.name, uncached, self._rate))
         self._work_sum += uncached
         self.decisions += 1
         bit = self.bits.bit_for(chosen.name, self.index)

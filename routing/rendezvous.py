@@ -9,11 +9,6 @@ Weights follow Schindelhauer and Schomaker's logarithmic method: score =
 weight / -ln(u), u uniform in (0, 1), so a replica of weight 2 is first for
 twice the keys. O(N) per lookup: fine for tens of replicas.
 
-Bounded load (Mirrokni, Thorup, Zadimoghaddam): a replica may take the request
-only if its load plus this request stays within ceil((1 + epsilon) x the mean
-including this request), scaled by its weight. Replicas past the bound are not
-dropped: they go to the end of the order, least loaded first, so retries still
-have somewhere to go.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import xxhash
 
 from .base import ReplicaView
 
-__all__ = ["replica_salt", "rendezvous_order", "Rendezvous", "within_bound", "first_choice"]
+__all__ = ["replica_salt", "Rendezvous", "within_bound", "first_choice"]
 
 _xxh = xxhash.xxh3_64_intdigest
 _TWO64 = float(1 << 64)
@@ -39,17 +34,8 @@ def replica_salt(name: str) -> int:
     return _xxh(name.encode("utf-8", "surrogatepass"), 0x6B76676174650001)
 
 
-def rendezvous_order(key: int, replicas: Sequence[R]) -> list[R]:
-    """Replicas in the key's preference order, best first (ties, vanishingly rare, by name).
-
-    The policies call it through ``Rendezvous``, which remembers orders and salts.
-    """
-    positions = _scored(key, replicas, {})
-    return [replicas[i] for i in positions]
-
-
 class Rendezvous:
-    """``rendezvous_order`` remembered: a key's order is computed once per membership.
+    """Each key's preference order over the replicas, remembered: computed once per membership.
 
     The order is a pure function of the key and the (name, weight) list, and a
     key (a conversation, an organisation) comes back for many requests: so the
@@ -67,7 +53,7 @@ class Rendezvous:
         self._capacity = capacity
 
     def order(self, key: int, replicas: Sequence[R]) -> list[R]:
-        """``rendezvous_order(key, replicas)``."""
+        """Replicas in ``key``'s preference order, best first (ties, vanishingly rare, by name)."""
         members = tuple([(r.name, r.weight) for r in replicas])
         orders = self._orders
         if members != self._members:
@@ -105,14 +91,11 @@ def first_choice(key: int, names: Sequence[str]) -> str:
     return max(names, key=lambda n: (_xxh(kb, replica_salt(n)), n))
 
 
-def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: float,
-                 floor: float = 0.0) -> list[bool]:
+def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: float) -> list[bool]:
     """For each replica, whether one more request keeps it within the bound.
 
     ``loads`` are weighted (requests per unit weight, as ``routing.base.load_now``); the cap is
-    ceil((1 + epsilon) x mean load including this request x weight), but never
-    below mean + ``floor``: at a handful of requests per replica, a difference
-    of one or two is noise, not imbalance.
+    ceil((1 + epsilon) x mean load including this request x weight), at least 1.
     """
     # Plain loops over floats (no map, zip or sum): this runs on every request, compiled.
     n = len(loads)
@@ -130,6 +113,6 @@ def within_bound(loads: Sequence[float], weights: Sequence[float], epsilon: floa
         w = float(weights[i])
         if w != last_w:
             last_w = w
-            cap = max(math.ceil(max((1.0 + epsilon) * mean * w, (mean + floor) * w) - 1e-9), 1)
+            cap = max(math.ceil((1.0 + epsilon) * mean * w - 1e-9), 1)
         out.append(float(loads[i]) * w + 1.0 <= cap)
     return out

@@ -51,10 +51,13 @@ RETIRED = ("load_average_s", "burst_epsilon", "new_key_epsilon", "placement_memo
 class RoutingSettings(_Section):
     # prefix_affinity: routing.prefix_affinity (one cost per replica, the bound at every
     # decision). "cost", its name while it was being measured, still selects it.
-    policy: Literal["prefix_affinity", "least_load", "round_robin", "consistent_hash"] = "prefix_affinity"
+    # ttft: routing.ttft_affinity (issue 26: the time to first token each replica would give,
+    # its rate learned from the replicas; measured against prefix_affinity, not yet the default).
+    policy: Literal["prefix_affinity", "ttft", "least_load", "round_robin", "consistent_hash"] = "prefix_affinity"
     # The load bound (consistent hashing with bounded loads): a replica takes a request
     # only if its in-flight stays within ceil((1 + epsilon) x mean in flight), judged at
     # every decision on this instance's own in-flight plus what the replicas report.
+    # (prefix_affinity only: ttft has no count bound.)
     epsilon: float = Field(0.25, ge=0, le=10)
     # Share where keys live with the other gateway instances through Redis
     # (routing.gossip; ignored, with a warning, without redis_url): where each
@@ -63,6 +66,7 @@ class RoutingSettings(_Section):
     # The prefill rate that drains the queue of prompt tokens this instance sent each
     # replica (routing.backlog). Only the order between replicas matters, so a rough
     # figure for the fleet's engines will do.
+    # (prefix_affinity only: ttft learns each replica's rate from its /metrics.)
     prefill_tokens_per_s: float = Field(15_000.0, gt=0)
     # Characters per routing block (about 16 tokens of 4 characters, as llm-d does).
     block_chars: int = Field(64, ge=8, le=4096)

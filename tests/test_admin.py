@@ -44,7 +44,8 @@ def test_tokens_401_and_tenant_keys_403(stack: Stack) -> None:
 _EVERYWHERE = [("GET", "/openapi.json"), ("GET", "/admin/status"), ("GET", "/admin/replicas"),
                ("POST", "/admin/replicas"), ("GET", "/admin/replicas/r1"), ("DELETE", "/admin/replicas/r1"),
                ("POST", "/admin/replicas/r1/drain"), ("POST", "/admin/replicas/r1/undrain"),
-               ("GET", "/admin/routing"), ("PATCH", "/admin/routing"), ("GET", "/admin/cache"),
+               ("GET", "/admin/routing"), ("PATCH", "/admin/routing"), ("POST", "/admin/routing/explain"),
+               ("GET", "/admin/cache"),
                ("POST", "/admin/cache/purge"), ("GET", "/admin/hygiene"), ("POST", "/admin/config/reload"),
                ("GET", "/admin/trends"), ("GET", "/admin/tenants"), ("POST", "/admin/tenants"),
                ("GET", "/admin/tenants/acme"), ("PATCH", "/admin/tenants/acme"),
@@ -168,3 +169,44 @@ def test_routing_cache_hygiene_status_openapi(admin: httpx.Client) -> None:
     assert doc["openapi"].startswith("3.") and "/admin/tenants/{name}/keys" in doc["paths"]
     assert "<title>kvgate status</title>" in httpx.get(str(admin.base_url) + "/", timeout=5).text
     assert admin.post("/admin/config/reload").status_code == 400  # started without a file
+
+
+@pytest.mark.parametrize("policy", ["ttft", "prefix_affinity"])
+def test_explain_returns_the_terms_that_decided(stack: Stack, admin: httpx.Client, policy: str) -> None:
+    admin.patch("/admin/routing", json={"policy": policy})
+    system = "The handbook of this deployment, long enough to be worth keeping warm. " * 60
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+    served = httpx.post(stack.base_url + "/chat/completions", json=body, timeout=10,
+                        headers={"authorization": "Bearer sk-acme-1"})
+    assert served.status_code == 200
+    replica = served.headers["x-kvgate-replica"]
+    decisions = admin.get("/admin/routing").json()["decisions"]
+    follow = {**body, "messages": [*messages, {"role": "assistant", "content": "a"},
+                                   {"role": "user", "content": "second question"}]}
+    answer = admin.post("/admin/routing/explain", json={"tenant": "acme", "body": follow})
+    assert answer.status_code == 200, answer.text
+    out = answer.json()
+    rows = out["replicas"]
+    assert out["policy"] == policy and out["tenant"] == "acme" and len(rows) == 2
+    # The replica that served the first turn holds its prompt: the pick.
+    assert rows[0]["pick"] and not rows[1]["pick"] and rows[0]["replica"] == replica
+    assert rows[0]["held"] > rows[1]["held"] and rows[0]["uncached"] < rows[1]["uncached"]
+    assert all({"cost", "uncached", "held", "rail"} <= set(row) for row in rows)
+    if policy == "ttft":  # its terms in seconds, the source of the belief named
+        assert rows[0]["source"] in ("index", "key")
+        assert all({"ttft", "ahead", "astray", "refill", "rate"} <= set(row) for row in rows)
+        assert all(row["cost"] >= row["ttft"] >= row["ahead"] for row in rows)
+    # Nothing was learned, and the same question gives the same answer.
+    assert admin.get("/admin/routing").json()["decisions"] == decisions
+    assert admin.post("/admin/routing/explain", json={"tenant": "acme", "body": follow}).json() == out
+    # Bad input: the hot path's own checks, an unknown tenant, a policy that does not explain.
+    bad = admin.post("/admin/routing/explain", json={"tenant": "acme", "body": {"messages": messages}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+    assert admin.post("/admin/routing/explain", json={"tenant": "nobody", "body": body}).status_code == 404
+    assert admin.post("/admin/routing/explain", json={"body": body}).status_code == 404  # tenants configured
+    assert admin.post("/admin/routing/explain", json={"tenant": "acme"}).status_code == 400
+    admin.patch("/admin/routing", json={"policy": "round_robin"})
+    refused = admin.post("/admin/routing/explain", json={"tenant": "acme", "body": body})
+    assert refused.status_code == 400 and "ttft" in refused.json()["error"]["message"]
+    admin.patch("/admin/routing", json={"policy": "least_load"})

@@ -5,6 +5,7 @@ Everything here builds its own small data; nothing reads ../shared/data.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from dataclasses import replace
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from bench import routing as bench_routing
+from bench.pools import pool_size
 from bench.routing_replay import Usage, replay, summarise
 from bench.routing_sim import SimSettings, simulate
-from bench.workloads import Request, Workload, shared_prefix, twin, unique
+from bench.workloads import ClosedLoop, Request, Workload, shared_prefix, twin, unique
+from bench.workloads.generated import LAYERED, layered_layout
 from bench.workloads.text import TextBank
 from routing import PrefixAffinity, RoutingSettings
 from vllm_sim.kv import block_hashes
@@ -102,6 +105,24 @@ def test_quick_benchmark_runs(tmp_path: Path, capsys) -> None:
     assert code == 0
     out = capsys.readouterr().out
     assert "prefix_affinity" in out and "sglang_cache_aware" in out and "membership" in out
+    assert "run_bounded_reference" in out and "TTFT p50" in out and "KV pool per replica" in out
     data = json.loads((tmp_path / "routing.json").read_text())
     assert {d["workload"] for d in data} == {"shared_prefix", "unique"}
+    # Pools under pressure: sized from each workload (unique prompts reuse nothing: the floor).
+    args = bench_routing.parse(["--quick"])
+    for d in data:
+        (w,) = bench_routing.build_workloads(argparse.Namespace(**{**vars(args), "workloads": [d["workload"]]}))
+        pool = pool_size(w, args.replicas)
+        assert d["pool_tokens"] == pool.kv_tokens and d["working_set_tokens"] == pool.working_set
+    assert next(d for d in data if d["workload"] == "unique")["working_set_tokens"] == 0
     assert (tmp_path / "routing.png").stat().st_size > 10_000
+
+
+def test_the_tuning_set_has_one_organisation_layered_workload_of_its_own() -> None:
+    args = bench_routing.parse(["--quick", "--workloads", "orgs_layered"])
+    (w,) = bench_routing.build_workloads(args)
+    family = bench_routing.layered_tuning(args.replicas)
+    assert w.name == "orgs_layered" and len(w.requests) == 160
+    assert w.closed_loop == ClosedLoop(2 * args.replicas)
+    assert family.orgs_per_replica not in {f.orgs_per_replica for f in LAYERED}  # not one of the suite's
+    assert len(layered_layout(family, args.layered_seed).org_weights) == 3 * args.replicas

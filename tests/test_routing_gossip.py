@@ -70,7 +70,7 @@ def test_a_placed_conversation_is_followed_by_the_instances_told_of_it() -> None
     unaware = PrefixAffinity(RoutingSettings(), Clock())
     replicas = busy_fleet()
     crowded = "r0"
-    a.backlog.add(crowded, 100_000)  # long prompts queued on one replica ...
+    a.backlog.add(crowded, 100_000, 1000.0)  # long prompts queued on one replica ...
     # ... so new conversations that hash there are placed elsewhere by instance a.
     moved = []
     for i in range(200):

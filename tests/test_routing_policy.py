@@ -12,7 +12,7 @@ from routing import RouteFeedback, RouteRequest, RoutingSettings, load_now, make
 from routing.consistent_hash import ConsistentHash
 from routing.least_load import LeastLoad
 from routing.prefix_affinity import PrefixAffinity
-from routing.rendezvous import rendezvous_order, within_bound
+from routing.rendezvous import Rendezvous, within_bound
 from routing.round_robin import RoundRobin
 from gateway.metrics import _PolicyCollector
 
@@ -67,13 +67,13 @@ def test_make_policy_defaults_to_prefix_affinity() -> None:
 @given(key=st.integers(0, 2**64 - 1))
 def test_rendezvous_orders_agree_across_instances_and_ignore_list_order(key: int) -> None:
     a, b = fleet(), list(reversed(fleet()))
-    assert [r.name for r in rendezvous_order(key, a)] == [r.name for r in rendezvous_order(key, b)]
+    assert [r.name for r in Rendezvous().order(key, a)] == [r.name for r in Rendezvous().order(key, b)]
 
 
 def test_weighted_rendezvous_gives_first_choices_in_proportion_to_weight() -> None:
     replicas = fleet(4)
     replicas[0].weight = 3.0
-    firsts = Counter(rendezvous_order(random.Random(i).getrandbits(64), replicas)[0].name for i in range(12_000))
+    firsts = Counter(Rendezvous().order(random.Random(i).getrandbits(64), replicas)[0].name for i in range(12_000))
     assert abs(firsts["r0"] / 12_000 - 0.5) < 0.03  # 3 / (3 + 1 + 1 + 1)
 
 
@@ -198,18 +198,19 @@ def test_popularity_needs_repeated_evidence_before_a_prefix_is_wide() -> None:
     for _ in range(3):  # a burst of three turns of one conversation
         pop.first_narrow([1], window, wide, record=True)
         pop.tick()
-    assert pop.share(1, window) < wide
+    assert pop.first_narrow([1], window, wide, record=False) == 0  # not wide: chosen
     for _ in range(10):  # a prefix in every request
         pop.first_narrow([2], window, wide, record=True)
         pop.tick()
-    assert pop.share(2, window) >= wide
+    assert pop.first_narrow([2, 1], window, wide, record=False) == 1  # wide: passed over
     # The first key not wide is chosen; a peek records nothing.
     assert pop.first_narrow([2, 1, 3], window, wide, record=False) == 1
     assert pop.first_narrow([2, 2], window, wide, record=False) == 1  # all wide: the deepest
-    assert pop.share(3, window) == 0.0
+    assert pop.first_narrow([3], window, wide, record=False) == 0  # never seen: share 0
     for k in range(1000):
         pop.first_narrow([2, 1000 + k], window, wide, record=True)
-    assert len(pop) <= 100 and pop.share(2, window) > 0, "bounded memory; a key in every request stays"
+    assert len(pop) <= 100, "bounded memory"
+    assert pop.first_narrow([2, 1], window, wide, record=False) == 1, "a key in every request stays wide"
 
 
 def test_decisions_the_bound_made_against_the_cost_are_counted() -> None:

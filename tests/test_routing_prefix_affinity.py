@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.prefix_affinity import PrefixAffinity
-from routing.rendezvous import rendezvous_order
+from routing.ttft_affinity import TTFTAffinity
+from routing.rendezvous import Rendezvous
 
 from bench.routing_sim import SimView as View
 from tests.support.chats import conversation
@@ -31,7 +34,11 @@ def fleet(n: int = 8) -> list[View]:
     return [View(f"r{i}") for i in range(n)]
 
 
-def served(policy: PrefixAffinity, request: RouteRequest, replicas: list[View]) -> View:
+# The scenarios both prefix policies must pass (agreement without talking, keys, ties).
+BOTH = pytest.mark.parametrize("make", [PrefixAffinity, TTFTAffinity], ids=["prefix_affinity", "ttft"])
+
+
+def served(policy: PrefixAffinity | TTFTAffinity, request: RouteRequest, replicas: list[View]) -> View:
     chosen = policy.prefer(request, replicas)[0]
     policy.observe(request, RouteFeedback(chosen.name, None, None, True))
     return chosen
@@ -92,11 +99,11 @@ def test_a_warm_prefix_outweighs_a_short_queue_but_not_a_long_one() -> None:
     clock.t = 100.0  # everything drained
     prompt_tokens = len(twin(1, 2).body["messages"][0]["content"]) / 4
     # Work queued at home worth less than the warm prefix: the twin stays.
-    policy.backlog.add(home.name, prompt_tokens * 0.5)
+    policy.backlog.add(home.name, prompt_tokens * 0.5, 1000.0)
     assert policy.prefer(twin(1, 2), replicas)[0] is home
     # Queued work past the prefix's whole prefill: it is cheaper to start afresh elsewhere.
     clock.t = 200.0
-    policy.backlog.add(home.name, prompt_tokens * 3)
+    policy.backlog.add(home.name, prompt_tokens * 3, 1000.0)
     assert policy.prefer(twin(1, 3), replicas)[0] is not home
 
 
@@ -121,11 +128,12 @@ def test_a_new_conversations_requests_stay_together_before_its_first_answer() ->
     assert policy.prefer(one_off(7, 20_000), replicas)[0] is first
 
 
-def test_instances_that_share_nothing_agree_where_a_new_conversation_lives() -> None:
+@BOTH
+def test_instances_that_share_nothing_agree_where_a_new_conversation_lives(make: type) -> None:
     # Its first turn reaches instance a, its later turns instance b, which never saw
     # it: both presume the key's home holds it, so both send it there.
     clock = Clock()  # a second between conversations: queues drain
-    a, b = PrefixAffinity(clock=clock), PrefixAffinity(clock=clock)
+    a, b = make(clock=clock), make(clock=clock)
     # The replicas report traffic neither instance sent: each knows it is not alone.
     replicas_a, replicas_b = ([View(f"r{i}", running=4.0, waiting=0.0) for i in range(8)] for _ in range(2))
     for c in range(1000, 1020):  # each instance sees the application's system prompt in every request
@@ -144,12 +152,13 @@ def flat(c: int, turns: int) -> RouteRequest:
     return RouteRequest("completions", "m", "t", {"model": "m", "prompt": text})
 
 
-def test_a_flat_prompts_turns_keep_one_key_and_instances_that_share_nothing_agree_on_it() -> None:
+@BOTH
+def test_a_flat_prompts_turns_keep_one_key_and_instances_that_share_nothing_agree_on_it(make: type) -> None:
     # A flat prompt has no message end before its own end: its key is where its
     # conversation starts (past the system prompt every request carries), not all of it,
     # so its later turns keep its key and its home.
     clock = Clock()
-    a, b = PrefixAffinity(clock=clock), PrefixAffinity(clock=clock)
+    a, b = make(clock=clock), make(clock=clock)
     replicas_a, replicas_b = ([View(f"r{i}", running=4.0, waiting=0.0) for i in range(8)] for _ in range(2))
     for c in range(1000, 1020):  # each instance sees the system prompt in every request
         served(a, flat(c, 1), replicas_a)
@@ -163,10 +172,11 @@ def test_a_flat_prompts_turns_keep_one_key_and_instances_that_share_nothing_agre
         assert served(b, flat(c, 4), replicas_b).name == first
 
 
-def test_two_instances_fed_the_same_facts_agree_on_every_decision() -> None:
+@BOTH
+def test_two_instances_fed_the_same_facts_agree_on_every_decision(make: type) -> None:
     rng = random.Random(5)
     clock = Clock()
-    a, b = PrefixAffinity(clock=clock), PrefixAffinity(clock=clock)
+    a, b = make(clock=clock), make(clock=clock)
     replicas = fleet(6)
     for step in range(2000):
         clock.t += rng.expovariate(50.0)
@@ -183,11 +193,12 @@ def test_two_instances_fed_the_same_facts_agree_on_every_decision() -> None:
         b.observe(copy, RouteFeedback(order_a[0], None, None, True))
 
 
-def test_equal_costs_fall_to_the_rendezvous_order() -> None:
-    policy, replicas = PrefixAffinity(), fleet()
+@BOTH
+def test_equal_costs_fall_to_the_rendezvous_order(make: type) -> None:
+    policy, replicas = make(), fleet()
     request = one_off(3, 2000)
     key = policy.keyer.key_for(request, len(replicas), learn=False).key
-    assert [r.name for r in policy.peek(request, replicas)] == [r.name for r in rendezvous_order(key, replicas)]
+    assert [r.name for r in policy.peek(request, replicas)] == [r.name for r in Rendezvous().order(key, replicas)]
 
 
 def test_a_new_conversation_goes_where_fewer_are_decoding_and_a_warm_turn_stays_unless_home_is_much_busier() -> None:

@@ -1,4 +1,4 @@
-"""The generated suite, closed-loop replay, the bounded reference and the load-bound accounting.
+"""The generated suite, closed-loop replay, pool sizing, the references and the load-bound accounting.
 
 Everything here builds its own small data; nothing reads ../shared/data.
 """
@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from bench import routing_suite
+from bench.pools import floor_concurrency, pool_size, reused_working_set
 from bench.routing import POLICIES, calibrate, ideal_hit_ratio
-from bench.routing_reference import REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED, TTFTReference
+from bench.routing_reference import (
+    REFERENCE, RUN_REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED, RunBoundedReference, TTFTReference)
 from bench.routing_replay import Usage, replay
-from bench.routing_sim import RunStats, SimSettings, load_bound, simulate
+from bench.routing_sim import RunStats, SimEngine, SimSettings, SimView, load_bound, simulate
 from bench.workloads import ClosedLoop, Request, Workload, chains
-from bench.workloads.generated import FAMILIES, Family, build, layout
+from bench.workloads.generated import FAMILIES, LAYERED, Family, build, layered_layout, layout
 from vllm_sim.kv import block_hashes
 from vllm_sim.template import render_chat
 from vllm_sim.tokenizer import tokenize
@@ -159,7 +162,7 @@ def test_replay_closed_loop_runs_conversations_with_exactly_its_clients() -> Non
 
 def test_sizing_aims_a_run_at_its_length() -> None:
     family = next(f for f in FAMILIES if f.name == "orgs-poisson-0.5")
-    settings = SimSettings(replicas=family.replicas, kv_tokens=layout(family, 1).kv_tokens)
+    settings = SimSettings(replicas=family.replicas)
     short = routing_suite.requests_for(build(family, 1, 100), family, settings, 10)
     long = routing_suite.requests_for(build(family, 1, 100), family, settings, 40)
     assert 3.5 < long / short < 4.5
@@ -181,11 +184,16 @@ def test_quick_suite_runs(tmp_path: Path, capsys) -> None:
                                "--policies", "round_robin", "prefix_affinity", "--out", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out
-    assert "## heavy4-closed8" in out and "bounded_reference" in out and "if/bound" in out
+    assert "## heavy4-closed8" in out and RUN_REFERENCE in out and "if/bound" in out
+    assert "TTFT p50" in out and " hit " in out and "KV pool per replica" in out and "reused working set" in out
     data = json.loads((tmp_path / "routing_suite.json").read_text())
     assert {d["seed"] for d in data} == {1, 2}
-    assert set(data[0]["rows"]) == {"round_robin", "prefix_affinity", REFERENCE}
-    assert data[0]["rows"][REFERENCE]["of_reference"] == 1.0
+    assert set(data[0]["rows"]) == {"round_robin", "prefix_affinity", RUN_REFERENCE}
+    assert data[0]["rows"][RUN_REFERENCE]["of_reference"] == 1.0
+    for d in data:  # each run's pool is the workload's own sizing
+        w = build(HEAVY, d["seed"], d["requests"])
+        assert d["pool_tokens"] == pool_size(w, HEAVY.replicas, clients=HEAVY.clients).kv_tokens
+        assert d["working_set_tokens"] == reused_working_set(w)
 
 
 def test_the_ttft_oracle_knows_each_request_s_time_to_first_token_and_keeps_the_bound_only_when_asked() -> None:
@@ -209,7 +217,7 @@ def test_suite_pools_can_be_shrunk_and_replicas_can_publish_events(tmp_path: Pat
                                    "--policies", "prefix_affinity", "--out", str(tmp_path), *extra]) == 0
         return json.loads((tmp_path / "routing_suite.json").read_text())[0]["rows"]["prefix_affinity"]
 
-    roomy = run()
+    roomy = run("--kv-tokens", str(1 << 20))
     assert "KV wait" not in capsys.readouterr().out  # roomy pools: nobody waits for blocks, no column
     small = run("--kv-tokens", "2048")
     out = capsys.readouterr().out
@@ -241,3 +249,140 @@ def test_kv_wait_is_the_time_queued_behind_a_request_holding_the_blocks() -> Non
     decode = 15 * t.decode_step_time(1)  # its first token came with the prefill
     assert second[1] == pytest.approx(decode, rel=1e-6)
     assert second[0] == pytest.approx(t.prefill_time(128) + decode + t.prefill_time(128), rel=1e-6)
+
+
+def _blocks(*names: str) -> list[bytes]:
+    return [n.encode() for n in names]
+
+
+def _sized(hashes: list[list[bytes]], prompt: int, output: int) -> Workload:
+    reqs = [Request(i, "chat", "m", "t", dict, prompt, output, h, float(i)) for i, h in enumerate(hashes)]
+    return Workload("sizing", reqs, "")
+
+
+def test_pool_size_is_ratio_times_the_reused_working_set_per_replica_floored_and_overridable() -> None:
+    # Four groups of a 10-block prefix, three requests each, every request one block of its own:
+    # the reused working set is the 40 prefix blocks (a block seen once does not count).
+    hashes = [[f"g{g}.{b}".encode() for b in range(10)] + _blocks(f"own{g}.{k}") for g in range(4) for k in range(3)]
+    w = _sized(hashes, prompt=180, output=20)
+    assert reused_working_set(w) == 40 * 16
+    assert reused_working_set(_sized([_blocks("a", "b", "a")], 48, 1)) == 0  # one request: nothing reused
+    two = pool_size(w, replicas=2)  # default ratio 2: 2 x 640 / 2
+    assert (two.kv_tokens, two.working_set, two.floor, two.overridden) == (640, 640, 400, False)
+    assert two.blocks == 40 and "640 tokens" in two.describe() and "2 x reused working set" in two.describe()
+    assert pool_size(w, replicas=2, ratio=3.0).kv_tokens == 960
+    assert pool_size(w, replicas=3, ratio=2.5).kv_tokens == 544  # 2.5 x 640 / 3 = 533.3, up to whole blocks
+    # The floor: two of the largest request (prompt + output) at once, or a closed loop's clients per replica.
+    assert pool_size(w, replicas=4, ratio=1.5).kv_tokens == 400
+    assert floor_concurrency(4) == 2 and floor_concurrency(4, clients=8) == 2 and floor_concurrency(2, clients=12) == 6
+    assert pool_size(w, replicas=2, clients=12).kv_tokens == 6 * 200
+    assert pool_size(w, replicas=2, max_output=4).floor == 2 * 184  # the output the client really asks for
+    # An explicit size wins, whatever the floor.
+    given = pool_size(w, replicas=2, kv_tokens=100)
+    assert given.kv_tokens == 100 and given.overridden and "--kv-tokens" in given.describe()
+    with pytest.raises(ValueError):
+        pool_size(w, replicas=0)
+
+
+class _CheckedRunReference(RunBoundedReference):
+    """The run-level reference, checked against its definition at every decision, recomputed independently."""
+
+    name = RUN_REFERENCE
+
+    def __init__(self, clock=None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.decisions = 0
+        self.warm_not_least = 0  # decisions where the longest prefix beat the least-placed replica
+
+    def choose_sim(self, request, engines, views):  # type: ignore[no-untyped-def]
+        before = {v.name: self.placed.get(v.name, 0) for v in views}
+        total = sum(before.values()) + 1
+        bound = math.ceil(1.3 * total / len(views) - 1e-9)
+        eligible = [v.name for v in views if before[v.name] + 1 <= bound]
+        match = {e.name: e.pool.match(request.kv_hashes) for e in engines}
+        order = super().choose_sim(request, engines, views)
+        chosen = order[0].name
+        assert sorted(v.name for v in order) == sorted(v.name for v in views)
+        assert chosen in eligible and self.placed[chosen] == before[chosen] + 1 <= bound
+        best = max(match[n] for n in eligible)
+        assert match[chosen] == best
+        # Ties: the least placed, then the name.
+        assert (before[chosen], chosen) == min((before[n], n) for n in eligible if match[n] == best)
+        self.decisions += 1
+        self.warm_not_least += before[chosen] > min(before.values())
+        return order
+
+
+def test_the_run_level_reference_keeps_its_bound_at_every_decision_and_takes_the_longest_cached_prefix() -> None:
+    family = next(f for f in LAYERED if f.orgs_per_replica == 2)
+    w = build(family, seed=1, n_requests=160)
+    made: list[_CheckedRunReference] = []
+
+    def make(clock):  # type: ignore[no-untyped-def]
+        made.append(_CheckedRunReference())
+        return made[-1]
+
+    pool = pool_size(w, family.replicas, clients=family.clients)
+    stats = simulate(w, make, SimSettings(replicas=family.replicas, kv_tokens=pool.kv_tokens))
+    ref = made[-1]
+    assert ref.decisions == 160 and sum(stats.requests_per_replica) == 160
+    assert ref.warm_not_least > 0, "some decisions followed a warm prefix past the least-placed replica"
+    assert max(stats.requests_per_replica) <= math.ceil(1.3 * 160 / family.replicas)
+    rr = simulate(w, POLICIES["round_robin"], SimSettings(replicas=family.replicas, kv_tokens=pool.kv_tokens))
+    assert stats.hit_ratio > rr.hit_ratio
+
+
+def test_the_run_level_reference_on_a_hand_built_fleet() -> None:
+    settings = SimSettings(replicas=3, kv_tokens=16 * 64)
+    engines = [SimEngine(f"r{i}", settings) for i in range(3)]
+    views = [SimView(e.name) for e in engines]
+    warm = [f"p{b}".encode() for b in range(8)]
+    engines[1].pool.release(engines[1].pool.allocate(warm[:6], 6 * 16 + 1))  # r1 holds 6 blocks of the prefix
+    engines[2].pool.release(engines[2].pool.allocate(warm[:2], 2 * 16 + 1))  # r2 holds 2
+    ref = RunBoundedReference()
+    req = Request(0, "chat", "m", "t", dict, 8 * 16, 1, warm, 0.0)
+    picks = [ref.choose_sim(req, engines, views)[0].name for _ in range(9)]
+    # The n-th request's bound, ceil(1.3 x n / 3): 1, 1, 2, 2, 3, 3, 4, 4, 4. The longest prefix (r1) whenever
+    # it is within it, else the next longest (r2); the 9th finds both at 4: the cold r0 takes it.
+    assert ref.bound(3) == 5  # the 10th: ceil(1.3 x 10 / 3)
+    assert picks == ["r1", "r2", "r1", "r2", "r1", "r2", "r1", "r2", "r0"]
+    assert ref.placed == {"r0": 1, "r1": 4, "r2": 4}
+
+
+@pytest.mark.parametrize("family", LAYERED, ids=lambda f: f.name)
+def test_layered_families_build_deterministically_per_seed(family: Family) -> None:
+    def fingerprint(seed: int) -> list[tuple]:
+        w = build(family, seed, 24)
+        return [(r.prompt_tokens, r.output_tokens, r.arrival, tuple(r.kv_hashes), r.body()["messages"][0]["content"])
+                for r in w.requests]
+
+    assert fingerprint(5) == fingerprint(5)
+    assert fingerprint(5) != fingerprint(6)
+    lay = layered_layout(family, 5)
+    assert lay == layered_layout(family, 5)
+    assert len(lay.org_weights) == family.orgs_per_replica * family.replicas
+    assert abs(sum(lay.org_weights) - 1) < 1e-9
+    if len(lay.org_weights) > 1:
+        assert max(lay.org_weights) > 1.5 * min(lay.org_weights), "some organisations are heavier"
+
+
+def test_layered_prompts_share_exactly_their_common_layers() -> None:
+    family = LAYERED[0]
+    lay = layered_layout(family, 2)
+    w = build(family, 2, 80)
+    sysmsg = [r.body()["messages"][0]["content"] for r in w.requests]
+    global_blocks = lay.global_tokens // 16 - 1
+    # Every prompt starts with the global layer: all share at least its blocks.
+    first = w.requests[0].kv_hashes
+    assert all(list(r.kv_hashes[:global_blocks]) == list(first[:global_blocks]) for r in w.requests)
+    # Two requests with the same system message (same org, agent, person) share all of it and differ in the tail.
+    same = [(a, b) for a in range(80) for b in range(a + 1, 80) if sysmsg[a] == sysmsg[b]]
+    assert same
+    a, b = same[0]
+    common = 0
+    for x, y in zip(w.requests[a].kv_hashes, w.requests[b].kv_hashes):
+        if x != y:
+            break
+        common += 1
+    assert common * 16 >= sum((lay.global_tokens, min(lay.org_tokens), min(lay.tool_tokens))) - 16
+    assert w.requests[a].kv_hashes[-1] != w.requests[b].kv_hashes[-1]

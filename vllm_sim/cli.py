@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--prefill-s-per-token", type=float, default=t.prefill_s_per_token)
     timing.add_argument("--decode-base-s", type=float, default=t.decode_base_s)
     timing.add_argument("--decode-s-per-seq", type=float, default=t.decode_s_per_seq)
+    timing.add_argument("--prefill-speed", type=float, default=t.prefill_speed,
+                        help="prefill runs at this multiple of the speed the two prefill costs give "
+                             "(0.5: half speed, every prefill takes twice as long); decode unchanged")
 
     faults = parser.add_argument_group("faults (also settable at run time: POST /sim/faults)")
     faults.add_argument("--error-rate", type=float, default=f.error_rate)
@@ -90,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     timing = TimingModel(
         prefill_base_s=args.prefill_base_s, prefill_s_per_token=args.prefill_s_per_token,
         decode_base_s=args.decode_base_s, decode_s_per_seq=args.decode_s_per_seq,
-        max_num_seqs=args.max_num_seqs, time_scale=args.time_scale,
+        max_num_seqs=args.max_num_seqs, time_scale=args.time_scale, prefill_speed=args.prefill_speed,
     )
     faults = Faults(
         error_rate=args.error_rate, error_status=args.error_status, rate_limit_rate=args.rate_limit_rate,

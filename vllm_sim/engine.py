@@ -9,6 +9,10 @@ sequence emits one token. So a request's time to first token is its queueing
 plus one step whose length depends on its cache hit, and its inter-token time
 grows with the batch it shares.
 
+Each sequence that finishes is counted in vLLM's two prefill histograms: the
+step it was admitted in (from its scheduling to its first token, as vLLM times
+it, in scaled time) and its prompt tokens not served from the prefix cache.
+
 Steps are timed against a running deadline rather than slept one by one,
 because ``asyncio.sleep`` cannot sleep less than about a millisecond: at
 ``time_scale=0.01`` a 0.1 ms step would otherwise cost 1 ms. Overshoot is
@@ -70,7 +74,7 @@ class TokenEvent:
 class _Seq:
     """One choice of a request as the scheduler sees it."""
 
-    __slots__ = ("gen", "index", "writer", "target", "produced", "allocation")
+    __slots__ = ("gen", "index", "writer", "target", "produced", "allocation", "computed", "prefill_s")
 
     def __init__(self, gen: Generation, index: int, target: int, seed: int) -> None:
         self.gen = gen
@@ -79,6 +83,10 @@ class _Seq:
         self.target = target
         self.produced = 0
         self.allocation: Allocation | None = None
+        # Prompt tokens its prefill computes (not served from the prefix cache), and the
+        # scaled seconds from its scheduling to its first token: vLLM's two prefill histograms.
+        self.computed = 0
+        self.prefill_s = 0.0
 
 
 class Generation:
@@ -247,6 +255,9 @@ class Engine:
                 duration += self.timing.prefill_time(uncached)
             if decoding:
                 duration += self.timing.decode_step_time(len(self._running))
+            # Admitted now, first token when this step ends: the step is their prefill time.
+            for seq in self._running[decoding:]:
+                seq.prefill_s = duration
             await self._sleep_until_step_end(loop, duration)
             self.publish_kv_events()
             self._emit_tokens()
@@ -272,7 +283,8 @@ class Engine:
             self._waiting.popleft()
             seq.allocation = allocation
             self._running.append(seq)
-            uncached += gen.prompt_tokens - allocation.cached_tokens
+            seq.computed = gen.prompt_tokens - allocation.cached_tokens
+            uncached += seq.computed
             if seq.index == 0:
                 gen.cached_tokens = allocation.cached_tokens
                 self.stats.prompt_tokens += gen.prompt_tokens
@@ -303,6 +315,7 @@ class Engine:
             self.stats.generation_tokens += 1
             if done:
                 self._free(seq)
+                self.stats.record_prefill(seq.prefill_s, seq.computed)
                 if seq.gen.finished:
                     self.stats.record_finish(reason or "stop")
             else:

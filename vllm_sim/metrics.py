@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from prometheus_client.utils import floatToGoString
+
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import Engine
+from vllm_sim.stats import Histogram
 
 __all__ = ["CONTENT_TYPE", "render_metrics"]
 
@@ -35,6 +38,17 @@ def _family(lines: list[str], name: str, kind: str, help_: str, samples: list[Sa
     lines.append(f"# TYPE {name} {kind}")
     for labels, value in samples:
         lines.append(f"{name}{_labels(labels)} {float(value)!r}")
+
+
+def _histogram(lines: list[str], name: str, help_: str, labels: Mapping[str, object], hist: Histogram,
+               max_bound: float = float("inf")) -> None:
+    """A histogram as prometheus_client writes one: cumulative ``_bucket``s ending at +Inf, ``_count``, ``_sum``."""
+    lines.append(f"# HELP {name} {help_}")
+    lines.append(f"# TYPE {name} histogram")
+    for bound, n in [*hist.cumulative(max_bound), (float("inf"), hist.count)]:
+        lines.append(f"{name}_bucket{_labels({**labels, 'le': floatToGoString(bound)})} {float(n)!r}")
+    lines.append(f"{name}_count{_labels(labels)} {float(hist.count)!r}")
+    lines.append(f"{name}_sum{_labels(labels)} {float(hist.sum)!r}")
 
 
 def render_metrics(config: SimConfig, engine: Engine) -> str:
@@ -63,4 +77,10 @@ def render_metrics(config: SimConfig, engine: Engine) -> str:
             [(base, stats.prompt_tokens)])
     _family(lines, "vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
             [(base, stats.generation_tokens)])
+    # vLLM's buckets: the request-phase latency bounds, and the 1-2-5 series up to max_model_len.
+    _histogram(lines, "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+               base, stats.prefill_seconds)
+    _histogram(lines, "vllm:request_prefill_kv_computed_tokens",
+               "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+               base, stats.prefill_computed_tokens, config.max_model_len)
     return "\n".join(lines) + "\n"

@@ -5,7 +5,9 @@ cost is linear in the tokens not served from the prefix cache (so a cache hit
 shortens time to first token), and a decode step gets slower as the batch
 grows (so piling requests on one replica hurts everyone on it).
 ``time_scale`` multiplies every duration: 0.01 runs 100x faster than real
-time, 0 never sleeps at all.
+time, 0 never sleeps at all. ``prefill_speed`` divides prefill alone (base and
+per-token cost): 0.5 is a replica that prefills at half speed, for fleets of
+unequal replicas; decode is unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class TimingModel:
     decode_s_per_seq: float = 0.0002
     max_num_seqs: int = 64
     time_scale: float = 1.0
+    prefill_speed: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -31,10 +34,13 @@ class TimingModel:
             raise ValueError("durations must be >= 0")
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
+        if not self.prefill_speed > 0:
+            raise ValueError("prefill_speed must be > 0")
 
     def prefill_time(self, uncached_tokens: int) -> float:
         """Scaled seconds to prefill ``uncached_tokens`` prompt tokens in one step."""
-        return (self.prefill_base_s + self.prefill_s_per_token * uncached_tokens) * self.time_scale
+        # x / 1.0 is x exactly: at full speed the figures are those without the factor.
+        return (self.prefill_base_s + self.prefill_s_per_token * uncached_tokens) / self.prefill_speed * self.time_scale
 
     def decode_step_time(self, batch_size: int) -> float:
         """Scaled seconds for one decode step of ``batch_size`` running sequences."""

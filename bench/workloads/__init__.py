@@ -88,8 +88,6 @@ class Workload:
     name: str
     requests: list[Request]
     description: str
-    # Replicas' KV pool size (tokens) the workload is meant to stress by default.
-    kv_tokens: int = 1 << 20
     # Replay by a fixed number of clients instead of the requests' own arrivals.
     closed_loop: ClosedLoop | None = None
 

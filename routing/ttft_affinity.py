@@ -1,0 +1,468 @@
+"""``ttft``: the time to first token each replica would give, learned from the replicas, and one rail.
+
+Issue 26's policy, selectable with ``routing.policy: ttft`` while it is
+measured against ``prefix_affinity`` (docs/benchmarks/routing-ttft.md: where
+it wins and where it still loses). For every request it asks each eligible
+replica one question, in seconds (NVIDIA Dynamo's KV router asks it in
+blocks):
+
+    ttft(r) = ahead(r) + uncached(r) / rate(r)
+    cost(r) = ttft(r) + astray(r) + refill(r)
+
+* ``rate(r)``: the prompt tokens ``r`` computes per second of prefill, learned
+  from what it reports (``routing.rates``), scaled by what the replies show:
+  the times to first token observed over those predicted at the reported
+  rates (a request prefilled in a batch is charged the batch's time, so the
+  reported figure is below the rate a queue drains at; the scale is the
+  same for every replica, so it changes no ranking, only the seconds).
+  Replicas that have not said are given the mean of those that have; before
+  any has, every figure stays in tokens. A replica at half speed reports half
+  the rate.
+* ``held(r)``: how much of the prompt ``r`` holds, the largest of the named
+  estimates: its KV events (precise mode, ``routing.kv_events``), this
+  instance's index of what it sent there (``routing.block_index``, kept to
+  what the replica's pool can still hold by ``routing.pool_model``), the
+  routing key known to be there, a wide prefix (one carrying more than a
+  replica's share of the traffic, ``routing.keys``: warm wherever any of it
+  went, other instances' traffic included) and the presumed home (below).
+  ``uncached(r)`` is the prompt minus it.
+* ``ahead(r)``: the wait ahead of it: the larger of what this instance sent
+  ``r`` that has not started (``routing.backlog``: drained at ``rate(r)``,
+  and a first token proves its request and all sent before it started) and
+  the requests ``r`` reported waiting (every client's), each weighing the mean
+  uncached prompt the replies report (before any reply, what this request
+  would compute there). Each figure counts this instance's own requests, so
+  they are not added.
+* ``astray(r)``: only for a key no replica is known to hold, placed away from
+  its home: the others' share of the traffic times the prompt's prefill. Other
+  instances will send its next request home, which then prefills it all again.
+* ``refill(r)``: the blocks ``r``'s pool must evict for this request's new
+  ones, times the share of evicted blocks that requests bring back
+  (``routing.pool_model``'s ghosts): the prefill its evictions cost the fleet
+  later. Zero where pools do not evict, or what they evict never returns.
+
+**The pick.** The least cost; of replicas within the prediction's error of it
+(the mean gap between predicted and observed time to first token over the
+last ``_ERROR_WINDOW`` requests, learned like the rate), the one that computes
+the fewest tokens: the fleet spends fewer GPU-seconds for the same wait. Then
+the key's rendezvous order.
+
+**The rail** refuses a replica whatever its cost (it goes to the back, so
+retries still have somewhere to go): *wait*, a replica whose wait ahead
+exceeds the least wait ahead in the fleet by more than this request's whole
+prefill there. No warm prefix can save more than its whole prefill, so a
+queue past that is a hot spot, not affinity. With exact figures the least
+``ttft`` never breaks it; it binds where the tie band, stale reports or other
+instances would. What each instance guarantees is over its own view. A second
+rail, refusing replicas whose free KV (``kv_cache_usage_perc``) could not
+take the request, was built and measured: it moved cold work into full pools
+under pressure and collapsed a KV-bound fleet (the benchmark page), so it is
+not kept.
+
+**The home.** The request's key (``routing.keys``) orders the replicas by
+rendezvous hashing, the same order on every instance; when this instance
+knows of no replica holding the key, the first of that order is presumed to
+hold the request's context with the chance that another instance sent it
+there (the others' share of the queues the replicas report).
+
+``observe`` records that the serving replica now holds the whole prompt,
+learns the mean uncached prompt, the prediction's error and the rate's scale,
+and checks the index's belief against the ``cached_tokens`` the replica
+reports (``belief`` in ``stats``). ``explain`` returns every term of a
+decision, per replica, without learning anything (``POST
+/admin/routing/explain``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, NamedTuple, Sequence
+
+from .backlog import CHARS_PER_TOKEN, Backlog
+from .base import ReplicaView, RouteFeedback, RouteRequest, reported
+from .block_index import BlockIndex, ReplicaBits
+from .gossip import HELD, PLACED, Fact, Gossip
+from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
+from .kv_events import KVEvents
+from .pool_model import PoolModel
+from .rendezvous import Rendezvous
+from .settings import RoutingSettings
+
+__all__ = ["TTFTAffinity", "Terms"]
+
+# Where a request was sent, in its scratch: a retry elsewhere is news for ``observe``.
+_SENT = "kvgate.sent"
+# Its entry among the requests in flight (precise mode).
+_PENDING = "kvgate.pending"
+# Its mark in the chosen replica's prefill backlog, and what was predicted there.
+_MARK = "kvgate.backlog_mark"
+_PREDICTED = "kvgate.predicted"
+# The learned means (uncached prompt per request, the prediction's error) are over this
+# many recent requests: a mean of 256 samples settles within about 1/16 of its spread,
+# and a change of load replaces it within a few seconds of traffic.
+_ERROR_WINDOW = 256
+
+
+class Terms(NamedTuple):
+    """One replica's figures in one decision (``explain``; seconds, or tokens before any rate)."""
+
+    replica: str
+    rate: float | None  # prompt tokens per prefill-second used (None: figures in tokens)
+    held: float  # prompt tokens believed held
+    source: str  # where ``held`` came from: events, index, key, home, none
+    uncached: float  # prompt tokens it would compute
+    ahead: float  # prefill queued ahead
+    astray: float  # a known-nowhere key placed away from home: its next request's refill
+    refill: float  # the prefill its evictions cost the fleet later (pools under pressure)
+    ttft: float  # the predicted time to first token: ahead + uncached / rate
+    cost: float  # what the pick minimises: ttft + astray + refill
+    rail: str | None  # "wait" or None
+
+
+class _Mean:
+    """The mean of the last ``_ERROR_WINDOW`` samples (a learned figure, never a setting)."""
+
+    __slots__ = ("_ring", "_sum")
+
+    def __init__(self) -> None:
+        self._ring: deque[float] = deque()
+        self._sum = 0.0
+
+    def add(self, x: float) -> None:
+        self._ring.append(x)
+        self._sum += x
+        if len(self._ring) > _ERROR_WINDOW:
+            self._sum -= self._ring.popleft()
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def get(self, default: float) -> float:
+        return self._sum / len(self._ring) if self._ring else default
+
+    @property
+    def total(self) -> float:
+        return self._sum
+
+
+class TTFTAffinity:
+    name = "ttft"
+
+    def __init__(self, settings: RoutingSettings | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings or RoutingSettings()
+        # The key orders ties and names the home that instances sharing nothing agree on. Cut
+        # at message ends and explicit boundaries only (a flat prompt, which has none, at
+        # sampled positions: routing.keys): the index finds layers inside a message anyway.
+        self.keyer = PrefixKeyer(self.settings, layers_inside_messages=False)
+        self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks, tails=True)
+        self.pools = PoolModel()
+        self.bits = ReplicaBits()
+        self.backlog = Backlog(clock)
+        self.gossip = Gossip() if self.settings.share_index else None
+        self._orders = Rendezvous()
+        # Learned from the replies: the uncached prompt of a request (what another client's
+        # waiting request is taken to weigh), and how far predictions missed (seconds).
+        self.work = _Mean()
+        self.error = _Mean()
+        # The replicas' rates say how fast each is against the others; the times to first
+        # token they answer say how fast prefill is felt: a request prefilled in a batch is
+        # charged the batch's time, so the rate the histograms give is below the drain.
+        # Observed over predicted (at the reported rates), over the same window.
+        self._observed = _Mean()
+        self._predicted = _Mean()
+        # The index's belief against the replicas' cached_tokens: |believed - reported| and prompt.
+        self._belief_gap = 0.0
+        self._belief_prompt = 0.0
+        self._belief_n = 0
+        # Decisions, how many left the key's home, and how many a rail decided: the replica
+        # the formula preferred was refused.
+        self.decisions = 0
+        self.moved = 0
+        self.bound_overrides = 0
+        # Precise mode's source (set by the gateway when replicas publish KV events).
+        self.truth: KVEvents | None = None
+        self.precise_decisions = 0
+
+    # -- RoutingPolicy -----------------------------------------------------------------
+    def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        return self._rank(request, replicas, learn=True)[0]
+
+    def peek(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """``prefer`` without learning anything: what this instance would do."""
+        return self._rank(request, replicas, learn=False)[0]
+
+    def explain(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[Terms]:
+        """Every replica's terms, in the order ``prefer`` would give, without learning anything."""
+        order, terms = self._rank(request, replicas, learn=False, explain=True)
+        by_name = {t.replica: t for t in terms}
+        return [by_name[r.name] for r in order]
+
+    def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
+        if self.truth is not None:
+            self.truth.done(request.scratch.pop(_PENDING, None), served=feedback.ok, replica=feedback.replica)
+        mark = request.scratch.pop(_MARK, None)
+        if mark is not None:
+            self.backlog.done(mark[0], mark[1], mark[2])
+        predicted = request.scratch.pop(_PREDICTED, None)
+        if feedback.ok and feedback.prompt_tokens:
+            cached = feedback.cached_tokens
+            if cached is not None:
+                self.work.add(float(max(0, feedback.prompt_tokens - cached)))
+            if predicted is not None and predicted[0] == feedback.replica:
+                if cached is not None:
+                    self._belief_gap += abs(predicted[2] - cached)
+                    self._belief_prompt += feedback.prompt_tokens
+                    self._belief_n += 1
+                if predicted[1] is not None and feedback.ttft_s is not None:
+                    self.error.add(abs(predicted[1] - feedback.ttft_s))
+                    self._observed.add(feedback.ttft_s)
+                    self._predicted.add(predicted[1] / predicted[3])
+        if not feedback.ok or request.scratch.get(_SENT) == feedback.replica:
+            return  # nothing learned, or recorded when it was sent there
+        info = analyse(request, self.settings, self.keyer.chains)
+        if not info.hashes:
+            return
+        route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
+        bit = self.bits.bit_for(feedback.replica, self.index)
+        if self.gossip is not None and not self.index.holders(route.key) >> bit & 1:
+            self.gossip.note(HELD, route.key, feedback.replica)  # news to this instance, so to others
+        self._hold(info, route, bit, None)
+
+    def started(self, request: RouteRequest, replica: str) -> None:
+        """The request's first token came from ``replica``: its prefill is done, and (first come,
+        first served) so is every prefill sent there before it."""
+        mark = request.scratch.pop(_MARK, None)
+        if mark is not None:
+            self.backlog.done(mark[0], mark[1], mark[2])
+
+    def learn_remote(self, fact: Fact) -> None:
+        """Apply what another instance learned (``routing.gossip``): the key is held there."""
+        _, key, replica = fact
+        if self.gossip is not None:
+            self.gossip.applied += 1
+        self.index.add_key(key, self.bits.bit_for(replica, self.index))
+
+    def stats(self) -> dict[str, object]:
+        """For ``GET /admin/routing``: what the policy decided and learned on its own."""
+        out: dict[str, object] = {
+            "decisions": self.decisions, "left_home": self.moved, "bound_overrides": self.bound_overrides,
+            "index_entries": len(self.index), "precise_decisions": self.precise_decisions,
+            "learned": {"uncached_tokens_per_request": self.work.get(0.0) if len(self.work) else None,
+                        "rate_scale": 1.0 / self._scale(),
+                        "prediction_error_s": self.error.get(0.0) if len(self.error) else None},
+            # How far the belief (held tokens at the chosen replica) was from what it reported
+            # reusing, as a share of the prompt tokens: 0 is exact.
+            "belief": {"requests": self._belief_n,
+                       "gap_share": self._belief_gap / self._belief_prompt if self._belief_prompt else None}}
+        if self.gossip is not None:
+            out["shared_facts"] = {"published": self.gossip.published, "applied": self.gossip.applied,
+                                   "pending": len(self.gossip)}
+        return out
+
+    # -- internals ---------------------------------------------------------------------
+    def _hold(self, info: PrefixInfo, route: RouteKey, bit: int, replica: ReplicaView | None,
+              known: int = 0) -> None:
+        """Record that replica ``bit`` holds (or is about to hold) the request's prompt, and
+        what its pool evicts for it (where its size is known)."""
+        self.index.add(info.hashes, bit, known)
+        self.index.add_key(route.key, bit)
+        size = replica.kv_tokens if replica is not None else None
+        if size:
+            at = self.index.positions(len(info.hashes))
+            entries = [route.key] + [info.hashes[p] for p in at]
+            weights = [0] + [p - (at[i - 1] if i else -1) for i, p in enumerate(at)]
+            capacity = int(size * CHARS_PER_TOKEN / info.block)
+            evicted = self.pools.touch(bit, entries, weights, capacity)
+            if evicted:
+                self.index.forget(evicted, bit)
+
+    def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool,
+              explain: bool = False) -> tuple[list[ReplicaView], list[Terms]]:
+        if len(replicas) < 2 and not explain:
+            return list(replicas), []
+        info = analyse(request, self.settings, self.keyer.chains)
+        route = self.keyer.key_for(request, len(replicas), learn=learn)
+        order = self._orders.order(route.key, replicas)
+        n = len(order)
+        waiting, share = _others(order)
+        scale = self._scale()
+        rates = [x / scale if x is not None else None for x in _rates(order)]
+        keys = self._keys(request)
+        precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
+        held, sources, prompt_tokens, depths = self._held(info, route, order, precise, request, share)
+        uncached = [max(0.0, prompt_tokens - h) for h in held]
+        # Another client's waiting request weighs what a request of ours was reported to
+        # compute; before any report, what this one would compute there.
+        learned = self.work.get(-1.0)
+        each = [learned if learned >= 0 else u for u in uncached]
+        queued = self.backlog.queued([r.name for r in order], rates)
+        ahead, own, ttft, cost, refill = [], [], [], [], []
+        astray = prompt_tokens * share if share and not self.index.holders(route.key) and not any(
+            precise.values()) else 0.0
+        # Evicting a block costs the fleet the share of evicted blocks that come back
+        # (routing.pool_model): a replica whose pool must evict for this request's new blocks
+        # is charged their refill.
+        back = self.pools.refill()
+        per_block = info.block * (len(request.token_ids) / len(info.rendered.data)
+                                  if request.token_ids and info.rendered.data else 1.0 / CHARS_PER_TOKEN)
+        for i, r in enumerate(order):
+            rate = rates[i] or 1.0
+            # The queue is at least what this instance sent and was not done, and at least what
+            # the replica reported waiting: each figure counts this instance's own requests.
+            ahead.append(max(queued[i], waiting[i] * each[i]) / rate)
+            own.append(uncached[i] / rate)
+            ttft.append(ahead[-1] + own[-1])
+            bit = self.bits.get(r.name)
+            evicts = self.pools.overflow(bit, uncached[i] / per_block) if back and bit is not None else 0.0
+            refill.append(evicts * per_block * back / rate)
+            cost.append(ttft[-1] + (astray / rate if i else 0.0) + refill[-1])
+        # The rail (module doc): a queue past the least by more than this whole prefill.
+        least_ahead = min(ahead)
+        rails: list[str | None] = []
+        for i in range(n):
+            rails.append("wait" if ahead[i] > least_ahead + prompt_tokens / (rates[i] or 1.0) else None)
+        # The pick: least cost; within the prediction's error of it, fewest tokens computed.
+        band = self.error.get(0.0) if rates[0] is not None else 0.0
+        fits = [i for i in range(n) if rails[i] is None]
+        if fits:
+            best = min(cost[i] for i in fits)
+            first = min((i for i in fits if cost[i] <= best + band), key=lambda i: (uncached[i], cost[i], i))
+            rest = sorted((i for i in fits if i != first), key=lambda i: (cost[i], uncached[i], i))
+            picks = [first] + rest
+        else:
+            picks = []
+        picks += sorted((i for i in range(n) if rails[i] is not None), key=lambda i: (cost[i], i))
+        terms: list[Terms] = []
+        if explain:
+            terms = [Terms(r.name, rates[i], held[i], sources[i], uncached[i], ahead[i],
+                           cost[i] - ttft[i] - refill[i], refill[i], ttft[i], cost[i], rails[i])
+                     for i, r in enumerate(order)]
+        if learn:
+            if any(rails) and rails[min(range(n), key=lambda i: (cost[i], i))] is not None:
+                self.bound_overrides += 1  # the formula's choice was refused by a rail
+            c = picks[0]
+            chosen = order[c]
+            mark = self.backlog.add(chosen.name, uncached[c], rates[c])
+            request.scratch[_MARK] = (chosen.name, mark, rates[c])
+            request.scratch[_PREDICTED] = (chosen.name, ttft[c] if rates[c] is not None else None, held[c], scale)
+            self._commit(request, info, route, chosen, order[0], depths)
+            if keys and self.truth is not None:
+                if chosen.name in precise:
+                    self.precise_decisions += 1
+                new = precise.get(chosen.name, 0.0) < len(keys)
+                request.scratch[_PENDING] = self.truth.sent(chosen.name, keys, new)
+        return [order[i] for i in picks], terms
+
+    def _scale(self) -> float:
+        """Observed over predicted time to first token at the reported rates (1 before any)."""
+        predicted = self._predicted.total
+        return self._observed.total / predicted if predicted > 0 and self._observed.total > 0 else 1.0
+
+    def _held(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], precise: dict[str, float],
+              request: RouteRequest, share: float) -> tuple[list[float], list[str], float, dict[int, int]]:
+        """``held(r)`` for every replica, in prompt tokens, with its source; the prompt in tokens;
+        and the index's depths (blocks, by replica bit) they were read from."""
+        prompt = len(info.rendered.data)
+        tokens = request.token_ids
+        # With the token ids known every figure is in real tokens: the index's share of the
+        # prompt is scaled to them.
+        scale = len(tokens) / prompt if tokens and prompt else 1.0 / CHARS_PER_TOKEN
+        prompt_tokens = float(len(tokens)) if tokens and prompt else prompt * scale
+        block = self.truth.block_size if self.truth is not None else 0
+        holders = self.index.holders(route.key)
+        # The context, what its client sent before: everything but the last message; a
+        # single span marks no turns, and a prompt grows by appending, so all of it.
+        spans = info.rendered.spans
+        context = max(route.cut, spans[-1].start if len(spans) > 1 else info.limit)
+        presumed = context * (0.0 if holders else share) * scale
+        wide = route.shared * scale
+        fleet_holds = any(precise.values())
+        depths = self.index.depths(info.hashes, (1 << len(self.bits)) - 1) if info.hashes else {}
+        # Knows nothing of the request past its key: only then can another instance's fact
+        # (share_index) say more than this instance's own blocks.
+        blind = self.gossip is not None and max(depths.values(), default=0) * info.block <= route.cut
+        held, sources = [], []
+        for i, r in enumerate(order):
+            best, source = 0.0, "none"
+            if r.name in precise and tokens:
+                best, source = precise[r.name] * block, "events"
+                if i == 0 and not fleet_holds and presumed > best:
+                    best, source = presumed, "home"
+                held.append(min(best, prompt_tokens))
+                sources.append(source if best else "none")
+                continue
+            bit = self.bits.get(r.name)
+            if bit is not None:
+                indexed = depths.get(bit, 0) * info.block * scale
+                if indexed > best:
+                    best, source = indexed, "index"
+                if holders >> bit & 1:
+                    # Known to hold the key; known by its key alone (no blocks recorded, or
+                    # another instance's fact where this instance knows nothing past the key),
+                    # it is presumed to hold the context, as a home is.
+                    keyed = (context if blind or not indexed else route.cut) * scale
+                    if keyed > best:
+                        best, source = keyed, "key"
+            if i == 0 and presumed > best:
+                best, source = presumed, "home"
+            # A wide prefix (``RouteKey.shared``: more than a replica's share of the traffic)
+            # is warm wherever any of its traffic went, other instances' included: without
+            # this, the replicas this instance happened not to send it to look cold for it.
+            if wide > best:
+                best, source = wide, "wide"
+            held.append(min(best, prompt_tokens))
+            sources.append(source)
+        return held, sources, prompt_tokens, depths
+
+    def _keys(self, request: RouteRequest) -> list[int]:
+        """The request's token-block keys, once per request; empty without token ids or truth."""
+        return self.truth.request_keys(request) if self.truth is not None else []
+
+    def _commit(self, request: RouteRequest, info: PrefixInfo, route: RouteKey, chosen: ReplicaView,
+                home: ReplicaView, depths: dict[int, int]) -> None:
+        """What a decision teaches: the chosen replica will hold the prompt."""
+        self.decisions += 1
+        bit = self.bits.bit_for(chosen.name, self.index)
+        if chosen is not home:
+            self.moved += 1
+        if self.gossip is not None and not self.index.holders(route.key):
+            # A key nobody was known to hold: where it went is news even if it went home,
+            # since another instance's eligible replicas (its home) may differ.
+            self.gossip.note(PLACED, route.key, chosen.name)
+        if info.hashes:
+            self._hold(info, route, bit, chosen, depths.get(bit, 0))
+            request.scratch[_SENT] = chosen.name
+
+
+def _rates(replicas: Sequence[ReplicaView]) -> list[float | None]:
+    """Each replica's learned prefill rate; one not known yet gets the mean of those known."""
+    known = [r.prefill_rate for r in replicas if r.prefill_rate]
+    if not known:
+        return [None] * len(replicas)
+    mean = sum(known) / len(known)  # type: ignore[arg-type]
+    return [r.prefill_rate or mean for r in replicas]
+
+
+def _others(replicas: Sequence[ReplicaView]) -> tuple[list[float], float]:
+    """The requests each replica reported waiting (per unit weight), and the others' share of the queues.
+
+    *Waiting*: every client's, this instance's included, as of the last
+    scrape: requests not yet started, whether for prefill or for a free
+    sequence slot (``max_num_seqs``), which this instance's backlog cannot see.
+
+    *The others' share*: of the replicas' reported queues, the part that is not
+    this instance's (0 before any report).
+    """
+    waiting = []
+    total = mine = 0.0
+    for r in replicas:
+        queue = reported(r)
+        if queue is None:
+            waiting.append(0.0)
+            continue
+        waiting.append((r.waiting or 0.0) / r.weight)
+        total += queue
+        mine += min(queue, r.in_flight_at_scrape)
+    return waiting, (total - mine) / total if total > 0 else 0.0

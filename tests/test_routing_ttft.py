@@ -1,0 +1,181 @@
+"""The ttft policy: the time to first token each replica would give, learned rates, the rail, explain."""
+
+from __future__ import annotations
+
+import random
+
+from routing import RouteFeedback, RouteRequest, RoutingSettings
+from routing.ttft_affinity import TTFTAffinity
+
+from bench.routing_sim import SimView as View
+from tests.support.clock import Clock
+from tests.test_routing_prefix_affinity import fleet, one_off, served, twin
+
+
+def rated(n: int = 8, rate: float = 1000.0) -> list[View]:
+    """Replicas that have reported their prefill rate (tokens per second)."""
+    return [View(f"r{i}", prefill_rate=rate) for i in range(n)]
+
+
+def test_the_rail_holds_at_every_decision_under_seeded_concurrent_load() -> None:
+    # Hot organisations and one-off prompts, replicas of two speeds with pools under
+    # pressure, clients that hold requests for random times. At every decision the pick
+    # explain() shows is the one prefer() makes, and it keeps the rail: its wait ahead is
+    # within the least wait ahead plus this request's whole prefill there.
+    for seed in (1, 2, 3):
+        rng = random.Random(seed)
+        clock = Clock()
+        policy = TTFTAffinity(RoutingSettings(), clock)
+        replicas = [View(f"r{i}", prefill_rate=(500.0 if i == 0 else 1000.0), kv_tokens=20_000.0,
+                         kv_usage=0.0, running=0.0, waiting=0.0) for i in range(4)]
+        orgs = [f"Organisation {o} handbook. " * 200 for o in range(4)]
+        held: list[tuple[RouteRequest, View]] = []
+        refused = 0
+        for step in range(3000):
+            clock.t += rng.expovariate(20.0)
+            for r in replicas:  # what a scrape would have said
+                r.kv_usage = min(1.0, r.in_flight * rng.uniform(0.05, 0.2))
+                r.waiting = float(rng.randrange(3))
+            if held and (rng.random() < 0.45 or len(held) >= 24):
+                request, replica = held.pop(rng.randrange(len(held)))
+                replica.in_flight -= 1
+                policy.observe(request, RouteFeedback(replica.name, 1000, rng.randrange(1000), True,
+                                                      ttft_s=rng.uniform(0.0, 0.5)))
+                continue
+            if rng.random() < 0.8:
+                request = twin(rng.randrange(50), step, orgs[min(3, int(rng.expovariate(1.0)))])
+            else:
+                request = one_off(step, rng.randrange(100, 8000))
+            terms = policy.explain(request, replicas)
+            chosen = policy.prefer(request, replicas)[0]
+            pick = terms[0]
+            assert pick.replica == chosen.name, (seed, step)
+            assert any(t.rail is None for t in terms)  # the least wait ahead always keeps it
+            least = min(t.ahead for t in terms)
+            refused += sum(t.rail == "wait" for t in terms)
+            assert pick.rail is None
+            assert pick.ahead <= least + (pick.held + pick.uncached) / pick.rate + 1e-9, (seed, step)
+            # Of the replicas that keep the rails, the pick is within the learned error of the
+            # least cost, and computes the fewest tokens among those; the cost adds to the
+            # predicted time to first token only what the pick's terms name.
+            fit = [t for t in terms if t.rail is None]
+            band = policy.error.get(0.0)
+            assert pick.cost <= min(t.cost for t in fit) + band + 1e-9
+            assert pick.uncached <= min(t.uncached for t in fit if t.cost <= min(x.cost for x in fit) + band)
+            assert all(abs(t.cost - t.ttft - t.astray - t.refill) < 1e-9 for t in terms)
+            chosen.in_flight += 1
+            held.append((request, chosen))
+        for _request, replica in held:
+            replica.in_flight -= 1
+        assert all(r.in_flight == 0 for r in replicas)
+        assert refused > 0  # the rail did refuse replicas on this traffic
+
+
+def test_other_clients_waiting_requests_are_work_ahead() -> None:
+    # Others' waiting requests, as the replica reports them, each weigh what requests of
+    # this instance were reported to compute (prompt minus cached tokens).
+    policy, replicas = TTFTAffinity(), rated(4)
+    for i in range(20):
+        request = one_off(900 + i, 400)
+        served(policy, request, replicas)
+        policy.observe(request, RouteFeedback("r0", 1000, 200, True))  # teaches the mean: 800
+    assert policy.work.get(0.0) == 800
+    for r in replicas:
+        r.running, r.waiting = 2.0, 0.0
+    home = policy.prefer(one_off(1, 2000), replicas)[0]
+    home.waiting = 6.0  # six of other clients' requests queued there
+    terms = {t.replica: t for t in policy.explain(one_off(1, 2000), replicas)}
+    assert terms[home.name].ahead == 6 * 800 / 1000.0
+    assert policy.prefer(one_off(1, 2000), replicas)[0] is not home
+
+
+def test_a_warm_prefix_outweighs_a_short_queue_but_not_a_long_one() -> None:
+    clock = Clock()
+    policy, replicas = TTFTAffinity(RoutingSettings(), clock), rated(4)
+    home = served(policy, twin(1, 1), replicas)
+    clock.t = 100.0  # everything drained
+    prompt_tokens = len(twin(1, 2).body["messages"][0]["content"]) / 4
+    # Work queued at home worth less than the warm prefix: the twin stays.
+    policy.backlog.add(home.name, prompt_tokens * 0.5, 1000.0)
+    explained = policy.explain(twin(1, 2), replicas)
+    # Its blocks are in the index, its key (the system prompt's end) too.
+    assert explained[0].replica == home.name and explained[0].source in ("index", "key")
+    assert all(t.source == "none" for t in explained[1:])
+    assert policy.prefer(twin(1, 2), replicas)[0] is home
+    # Queued work past the prefix's whole prefill: it is cheaper to start afresh elsewhere,
+    # and the wait rail says so too.
+    clock.t = 200.0
+    policy.backlog.add(home.name, prompt_tokens * 3, 1000.0)
+    assert policy.prefer(twin(1, 3), replicas)[0] is not home
+    assert {t.replica: t.rail for t in policy.explain(twin(1, 4), replicas)}[home.name] == "wait"
+
+
+def test_a_replica_at_half_the_rate_takes_less_cold_work() -> None:
+    # One-off prompts at about nine tenths of the fleet's capacity: the replica that reports
+    # half the rate is given less of the work, and not none. (Greedy on the time to first
+    # token it takes a request only when the others' queues are a whole prefill of its own
+    # longer than its own: about a third of a fast replica's share here.)
+    clock = Clock()
+    policy = TTFTAffinity(RoutingSettings(), clock)
+    replicas = [View(f"r{i}", prefill_rate=(500.0 if i == 0 else 1000.0)) for i in range(4)]
+    sent: dict[str, float] = {r.name: 0.0 for r in replicas}
+    for i in range(2000):
+        clock.t += 0.3
+        # About 1000 tokens, never answered here: the queues drain at the rates alone.
+        chosen = policy.prefer(one_off(i, 4000), replicas)[0]
+        sent[chosen.name] += 1000
+    fast = sum(v for k, v in sent.items() if k != "r0") / 3
+    assert 0.2 < sent["r0"] / fast < 0.7, sent
+
+
+def test_the_index_forgets_what_a_pool_evicts() -> None:
+    # A pool of 4,000 tokens: after 16 one-off prompts of about 1,000 tokens each went
+    # there, an organisation's layers it held are gone, and the index says so.
+    clock = Clock()
+    policy = TTFTAffinity(RoutingSettings(), clock)
+    replicas = [View(f"r{i}", prefill_rate=1000.0, kv_tokens=4000.0) for i in range(2)]
+    home = served(policy, twin(1, 1), replicas)
+    other = next(r for r in replicas if r is not home)
+    assert {t.replica: t.source for t in policy.explain(twin(1, 2), replicas)}[home.name] in ("index", "key")
+    policy.backlog.add(other.name, 1e9, None)  # everything else goes home
+    for i in range(16):
+        assert served(policy, one_off(500 + i, 4000), replicas) is home
+    terms = {t.replica: t for t in policy.explain(twin(1, 2), replicas)}
+    assert terms[home.name].held == 0 and terms[home.name].source == "none"
+    assert policy.pools.used(policy.bits.get(home.name)) * policy.settings.block_chars / 4 <= 4000
+
+
+def test_a_first_token_proves_the_prefill_done_there() -> None:
+    # Without a learned rate the backlog drains only by the replicas' signals: the first
+    # token of a request proves its prefill, and every earlier one sent there, done.
+    policy, replicas = TTFTAffinity(), fleet(4)
+    first, second = one_off(1, 8000), one_off(2, 8000)
+    a = policy.prefer(first, replicas)[0]
+    policy.backlog.add(a.name, 0.0, None)  # nothing else: only these two count
+    b = policy.prefer(second, replicas)[0]
+    assert b is not a  # the first one's prefill is still ahead at a
+    policy.started(first, a.name)
+    assert {t.replica: t.ahead for t in policy.explain(one_off(3, 8000), replicas)}[a.name] == 0
+
+
+def test_decisions_the_rail_made_against_the_formula_are_counted() -> None:
+    # A warm home has the least cost while its queue is short; once its queue is longer than
+    # the least by more than a whole prefill, the rail refuses it, and the decision is counted.
+    from gateway.metrics import _PolicyCollector
+
+    clock = Clock()
+    policy, replicas = TTFTAffinity(RoutingSettings(), clock), rated(4)
+    long_system = "A long policy document that only this conversation carries. " * 400
+    home = served(policy, twin(7, 1, long_system), replicas)
+    clock.t = 100.0
+    assert policy.prefer(twin(7, 2, long_system), replicas)[0] is home and policy.bound_overrides == 0
+    policy.backlog.add(home.name, 1e6, 1000.0)
+    # The warm home's cost is still the least (all are cold elsewhere) only if the error band
+    # pulled it there; the rail refuses it whatever the cost says.
+    terms = {t.replica: t for t in policy.explain(twin(7, 3, long_system), replicas)}
+    assert terms[home.name].rail == "wait"
+    moved = policy.prefer(twin(7, 3, long_system), replicas)[0]
+    assert moved is not home
+    samples = {s.name: s.value for family in _PolicyCollector(lambda: policy).collect() for s in family.samples}
+    counted = policy.stats()["bound_overrides"]
+    assert samples["kvgate_routing_bound_overrides_total"] == policy.bound_overrides == counted
