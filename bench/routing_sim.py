@@ -280,6 +280,8 @@ class RunStats:
     max_in_flight: int = 0
     # Each replica's prefill rate as a scrape at the end of the run reads it (routing.rates).
     prefill_rates: list[float | None] = field(default_factory=list)
+    # Prompt tokens each replica computed (prefix-cache hits excluded) over the run.
+    computed_per_replica: list[int] = field(default_factory=list)
 
     @property
     def hit_ratio(self) -> float:
@@ -568,6 +570,7 @@ class _Fleet:
             self.stats.busy.append(e.busy / self.stats.makespan if self.stats.makespan else 0.0)
             self.stats.requests_per_replica.append(e.requests)
             self.stats.prefill_rates.append(prefill_rate(float(e.prefill_tokens_sum), e.prefill_seconds_sum))
+            self.stats.computed_per_replica.append(e.prefill_tokens_sum)
         return self.stats
 
 

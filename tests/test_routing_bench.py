@@ -126,3 +126,14 @@ def test_the_tuning_set_has_one_organisation_layered_workload_of_its_own() -> No
     assert w.closed_loop == ClosedLoop(2 * args.replicas)
     assert family.orgs_per_replica not in {f.orgs_per_replica for f in LAYERED}  # not one of the suite's
     assert len(layered_layout(family, args.layered_seed).org_weights) == 3 * args.replicas
+
+
+def test_a_replica_at_half_speed_learns_half_the_rate_and_ttft_gives_it_less_cold_work() -> None:
+    from bench.routing_speeds import run
+
+    rows = run("heavy4-closed8", 1, 0.5, ("round_robin", "ttft"), 300)
+    table = {line.split()[0]: line.split() for line in rows[2:]}
+    for name in ("round_robin", "ttft"):
+        assert 0.4 < float(table[name][3]) < 0.6  # r0 reports about half the others' rate
+    # Round robin gives r0 its share of the prompt tokens; ttft, knowing its rate, much less.
+    assert float(table["round_robin"][4]) > 0.8 and float(table["ttft"][4]) < 0.5
