@@ -60,7 +60,7 @@ def test_streamed_replay_parses_in_the_sdk(stack: Stack) -> None:
     a = openai.OpenAI(base_url=stack.base_url, api_key="sk-a", max_retries=0)
     q = f"Which ports does model {uuid.uuid4().hex[:6]} have?"
     text = _ask(a, q).parse().choices[0].message.content
-    stack.wait_for(lambda: _ask(a, q).headers["x-kvgate-cache"] == "hit", timeout=2)
+    assert stack.wait_for(lambda: _ask(a, q).headers["x-kvgate-cache"] == "hit", timeout=2)
     for include_usage in (False, True):
         chunks = list(a.chat.completions.create(
             model=MODEL, stream=True, messages=[SYSTEM, {"role": "user", "content": q}],
@@ -75,7 +75,7 @@ def test_never_served_across_tenant_model_system_or_history(stack: Stack) -> Non
     b = openai.OpenAI(base_url=stack.base_url, api_key="sk-b", max_retries=0)
     q = f"What is the warranty period {uuid.uuid4().hex[:6]}?"
     _ask(a, q)
-    stack.wait_for(lambda: _ask(a, q).headers["x-kvgate-cache"] == "hit", timeout=2)
+    assert stack.wait_for(lambda: _ask(a, q).headers["x-kvgate-cache"] == "hit", timeout=2)
     assert _ask(b, q).headers["x-kvgate-cache"] == "miss"
     other_system = {"role": "system", "content": "You answer questions about our toaster product."}
     assert _ask(a, q, system=other_system).headers["x-kvgate-cache"] == "miss"
