@@ -46,7 +46,8 @@ def run(family_name: str, seed: int, slow: float, policies: tuple[str, ...], req
         fast_rate = statistics.mean(r for r in rates[1:] if r) if any(rates[1:]) else 0.0
         computed = s.computed_per_replica
         fast_tokens = statistics.mean(computed[1:]) if computed[1:] else 0.0
-        rows.append(f"{name:20} {rates[0] or 0:8.0f} {fast_rate:9.0f} {(rates[0] or 0) / fast_rate if fast_rate else 0:12.2f} "
+        slow_rate = rates[0] or 0.0
+        rows.append(f"{name:20} {slow_rate:8.0f} {fast_rate:9.0f} {slow_rate / fast_rate if fast_rate else 0:12.2f} "
                     f"{computed[0] / fast_tokens if fast_tokens else 0:14.2f} {s.hit_ratio:6.3f} "
                     f"{s.ttft(0.5) * 1000:5.0f}ms {s.ttft(0.95) * 1000:5.0f}ms")
     return rows
