@@ -44,6 +44,11 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin = f"http://127.0.0.1:{self.admin_port}"
         self.wait_for(lambda: self.workers()["running"] == 2)
+        # "running" counts live processes; a worker joins the port's SO_REUSEPORT group only
+        # once it listens, so wait until both have answered (else the kernel sends all to one).
+        answered: set[str] = set()
+        self.wait_for(lambda: answered.add(self.fresh("GET", "/healthz").headers["x-kvgate-worker"])
+                      or answered == {"0", "1"})
 
     def fresh(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """On a connection of its own, so the kernel picks a worker for it anew."""
