@@ -176,13 +176,13 @@ class Kvgate(LocalServer):
 
 
 def start_kvgate(workdir: Path, config: dict[str, Any], *, timeout: float = 60.0) -> Kvgate:
-    """``python -m gateway.cli serve`` as its own process; returns once /readyz answers 200."""
+    """``python -m gateway.server.cli serve`` as its own process; returns once /readyz answers 200."""
     path = workdir / "kvgate.yaml"
     path.write_text(yaml.safe_dump(config))
     log_path = workdir / "kvgate.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "serve", "--config", str(path)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     gw = Kvgate(config["listen"]["port"], proc, log_path)
     deadline = time.monotonic() + timeout

@@ -100,7 +100,7 @@ def start_gateway(target: Target, upstream_port: int, replicas: int) -> subproce
              else "admin: {enabled: false}\n")
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {target.port}}}\n{admin}"
                    f"replicas: [{fleet}]\n{routing}workers: {target.workers}\nlog_level: warning\n")
-    gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], env=env)
+    gw = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "serve", "--config", str(cfg)], env=env)
     _wait_http(f"http://127.0.0.1:{target.port}/readyz")
     if target.workers > 1:
         _wait_workers(target.port, target.workers)

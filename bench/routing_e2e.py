@@ -87,7 +87,7 @@ from bench.routing_replay import Usage, replay, summarise
 from bench.smg import SMG_POLICIES, smg_binary, start_smg
 from bench.vllm_router import VLLM_ROUTER_POLICIES, start_vllm_router, vllm_router_binary
 from bench.workloads import ClosedLoop, Request, Workload
-from gateway.pool import parse_vllm_metrics
+from gateway.proxy.pool import parse_vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16  # vllm_sim's default --block-size, which the replicas run with

@@ -67,7 +67,7 @@ from bench.precise_fleet import precise_routing, replica_entries, start_event_si
 from bench.routing_replay import Result, Usage, replay
 from bench.workloads import Request, Workload
 from bench.workloads.text import TextBank
-from gateway.pool import parse_vllm_metrics
+from gateway.proxy.pool import parse_vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ["none", "restart", "crash", "cut", "late"]

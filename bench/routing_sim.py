@@ -18,7 +18,7 @@ own ``ReplicaView`` objects: its own in-flight counts, plus the replicas'
 scraped metrics (running, waiting, KV usage, the prefill rate learned from
 vLLM's two per-request prefill histograms, ``routing.rates``, and the KV pool's
 size in tokens), refreshed every ``scrape_s`` and shared by all instances, as
-``gateway.pool`` does. A request picks an instance
+``gateway.proxy.pool`` does. A request picks an instance
 uniformly at random (clients spread over gateway pods by a Service), is routed
 to the first replica of its preference order, and on completion its instance
 calls ``observe`` with the engine's real ``cached_tokens``.

@@ -103,7 +103,7 @@ def _start_kvgate(config: dict[str, Any], tmp: Path) -> subprocess.Popen[bytes]:
     path = tmp / "kvgate.yaml"
     path.write_text(yaml.safe_dump(config))
     log = open(tmp / "kvgate.log", "wb")  # noqa: SIM115 - lives as long as the process
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "serve", "--config", str(path)],
                             stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     url = f"http://127.0.0.1:{config['listen']['port']}/readyz"

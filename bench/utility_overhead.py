@@ -7,7 +7,7 @@ p50 / p99, what kvgate adds, and kvgate's CPU time per request (from /proc: the
 steadiest figure on a busy machine), with a one-token chat request as the reference.
 Then the cost of the one extra pass kvgate makes over an upload it has read
 whole (find the fields, drop the forbidden ones:
-``gateway.utility_validate.audio_body``), per body size.
+``gateway.apis.utility.validate.audio_body``), per body size.
 
     python -m bench.utility_overhead                   # 300 requests a cell
     python -m bench.utility_overhead --requests 1000
@@ -27,7 +27,7 @@ import httpx
 
 from bench.loadgen import percentile
 from bench.overhead import ROOT, Target, _free_port, _wait_http, cpu_seconds, start_gateway
-from gateway.utility_validate import audio_body
+from gateway.apis.utility.validate import audio_body
 from vllm_sim.audio import synthetic_wav as wav
 
 MODEL = "sim-model"

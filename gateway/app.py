@@ -21,16 +21,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .errors import BadRequest, GatewayError, NotFound
-from .messages_api import is_messages_path, shape_for
-from .asgi_io import Receive, Scope, Send
+from gateway.apis.messages.validate import is_messages_path, shape_for
+from gateway.proxy.asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
-from .proxy import PATHS, ProxyEndpoint
-from .responses_api import ResponsesEndpoint
-from .responses_routes import response_routes
-from .utility_routes import utility_endpoints
+from gateway.proxy.endpoint import PATHS, ProxyEndpoint
+from gateway.apis.responses.endpoint import ResponsesEndpoint
+from gateway.apis.responses.routes import response_routes
+from gateway.apis.utility.routes import utility_endpoints
 from .runtime import Runtime
 from .settings import Settings
-from .worker_info import WorkerInfo
+from gateway.server.worker_info import WorkerInfo
 
 try:
     _VERSION = importlib.metadata.version("kvgate")

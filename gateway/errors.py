@@ -129,7 +129,7 @@ def sse_error_event(err: GatewayError) -> bytes:
 class ErrorShape(Protocol):
     """How one route spells kvgate's errors: a whole response body, and an event in a stream
     that already started. OpenAI's by default; /v1/messages uses Anthropic's
-    (``gateway.messages_api.ANTHROPIC_SHAPE``)."""
+    (``gateway.apis.messages.validate.ANTHROPIC_SHAPE``)."""
 
     def payload(self, err: GatewayError) -> bytes: ...
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .asgi_io import Receive, Scope, Send, request_id
+from gateway.proxy.asgi_io import Receive, Scope, Send, request_id
 from .errors import GatewayError
-from .messages_api import shape_for
+from gateway.apis.messages.validate import shape_for
 
 MAX_HEADER_BYTES = 60 * 1024
 MAX_HEADERS = 100

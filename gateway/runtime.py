@@ -4,7 +4,7 @@ One object owns the HTTP client, replica pool, routing policy, metrics, tenant
 policy engine, Redis connection and semantic cache; the public and admin apps
 both read it, so nothing lives in module globals and tests can build as many
 gateways in one process as they like. Per-request stages live in
-``gateway.stages``; this module is lifecycle and operator views.
+``gateway.proxy.stages``; this module is lifecycle and operator views.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from routing.ttft_affinity import TTFTAffinity
 from routing.kv_events import KVEvents
 from routing.tokenization import Tokenization
 
-from .endpoint_stats import EndpointStats
+from gateway.observe.endpoint_stats import EndpointStats
 from . import redis_client
-from .metrics import Metrics
+from gateway.observe.metrics import Metrics
 from .routing_sync import RoutingSync
-from .pool import PoolEvents, Replica, ReplicaPool, snapshot
-from .response_ids import ResponseIds, derive_id_key
+from gateway.proxy.pool import PoolEvents, Replica, ReplicaPool, snapshot
+from gateway.apis.responses.ids import ResponseIds, derive_id_key
 from .settings import Settings, load_settings
-from .stats import DecisionTimes, TenantStats
-from .tracing import Tracing
-from .trends import Trends
-from .transport import UPSTREAM_HEADERS, LeanTransport
-from .worker_info import WorkerInfo
+from gateway.observe.stats import DecisionTimes, TenantStats
+from gateway.observe.tracing import Tracing
+from gateway.observe.trends import Trends
+from gateway.proxy.transport import UPSTREAM_HEADERS, LeanTransport
+from gateway.server.worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from semantic_cache import SemanticCache
@@ -80,7 +80,7 @@ class Runtime:
         self.settings = settings
         self._embedding_loader = embedding_loader
         self.config_path = config_path
-        self.worker = worker  # one of several worker processes (gateway.workers), or None
+        self.worker = worker  # one of several worker processes (gateway.server.workers), or None
         # The network seam: one httpx transport. The hot path calls it directly (an
         # AsyncClient's cookie, auth and redirect machinery cost more than the
         # transport itself); health checks use a client built on the same transport.

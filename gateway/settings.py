@@ -152,7 +152,7 @@ class Settings(_Section):
     pool: PoolSettings = Field(default_factory=PoolSettings)
     # Keys HMACs (cache_salt) and key hashes; set it in production so salts survive restarts.
     server_secret: SecretStr = SecretStr("kvgate-dev-secret-change-me")
-    # Keys the replica tag in the Responses ids kvgate returns (gateway/response_ids.py). Unset:
+    # Keys the replica tag in the Responses ids kvgate returns (gateway/apis/responses/ids.py). Unset:
     # derived from server_secret. Every instance of a fleet needs the same value.
     response_id_secret: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -165,7 +165,7 @@ class Settings(_Section):
     shutdown_delay_s: float = Field(5.0, ge=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
     # Worker processes on the one listener (SO_REUSEPORT), each a full kvgate with its own
-    # routing state, supervised by a parent that restarts one that dies (gateway/workers.py).
+    # routing state, supervised by a parent that restarts one that dies (gateway/server/workers.py).
     workers: int = Field(1, ge=1, le=64)
 
     @model_validator(mode="after")

@@ -4,7 +4,7 @@ A policy is a pure function of the request and the membership list (plus the
 load view it is given): it returns a preference order over the eligible
 replicas. The pool walks that order when it must retry, and acquiring a
 replica returns a release, so in-flight accounting lives in one place
-(``gateway.pool``) and policies never mutate counters.
+(``gateway.proxy.pool``) and policies never mutate counters.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class ReplicaView(Protocol):
-    """What a policy may read about a replica. ``gateway.pool.Replica`` implements it."""
+    """What a policy may read about a replica. ``gateway.proxy.pool.Replica`` implements it."""
 
     name: str
     weight: float

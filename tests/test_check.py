@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from gateway.cli import main
+from gateway.server.cli import main
 from tests.support.kv_sims import EventSim
 from tests.support.servers import ServerThread, free_port
 from tests.support.stack import MODEL, sim_config

@@ -63,7 +63,7 @@ def test_bad_config_names_the_field(tmp_path: Path, text: str, field: str) -> No
 def test_cli_refuses_bad_config(tmp_path: Path) -> None:
     p = tmp_path / "bad.yaml"
     p.write_text("listen: {port: -1}\n")
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(p)],
+    proc = subprocess.run([sys.executable, "-m", "gateway.server.cli", "serve", "--config", str(p)],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert "listen.port" in proc.stderr

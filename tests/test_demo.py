@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.cli import build_parser
+from gateway.server.cli import build_parser
 from gateway.settings import AdminSettings, ListenSettings
 from tests.support.procs import ROOT
 from tests.support.servers import free_port
@@ -28,7 +28,7 @@ def _start_demo(tmp: Path, *args: str, timeout: float = 30) -> tuple[subprocess.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = tmp / "demo.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "demo", "--no-semantic-cache",
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "demo", "--no-semantic-cache",
                                  "--replicas", "2", "--time-scale", "0", *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout

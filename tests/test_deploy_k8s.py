@@ -26,7 +26,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from gateway.cli import build_parser
+from gateway.server.cli import build_parser
 from gateway.settings import Settings
 from tests.support.deploy_files import (
     ADMIN_PORT, COMPOSE_FILE, CONFIGS, DEPLOY, DOCKERFILE, K8S, K8S_VERSIONS, PLACEHOLDER, PUBLIC_PORT,

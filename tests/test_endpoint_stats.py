@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.endpoint_stats import EndpointStats
+from gateway.observe.endpoint_stats import EndpointStats
 
 
 def test_rows_count_errors_by_cause_and_average_only_what_was_measured() -> None:

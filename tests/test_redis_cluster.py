@@ -14,7 +14,7 @@ import openai
 import pytest
 from redis.asyncio import RedisCluster
 
-from gateway.admin import build_admin_app
+from gateway.admin.api import build_admin_app
 from gateway.app import build_app
 from gateway.redis_client import connect, is_cluster_url
 from gateway.runtime import Runtime
@@ -47,7 +47,7 @@ def pair(redis_cluster: PrivateRedisCluster) -> Iterator[Pair]:
         "redis_url": redis_cluster.url, "semantic_cache": cache, "tenants": tenants, "admin": {"token": TOKEN},
         "replicas": [{"name": "r1", "url": stack.sim_url("r1")}]})
     app = build_app(settings, runtime=Runtime(settings))
-    # The admin API on the same event loop as the gateway, as ``gateway.serve`` runs them
+    # The admin API on the same event loop as the gateway, as ``gateway.server.serve`` runs them
     # (the Redis clients belong to the loop that made them).
     second = ServerThread(_with_admin(app, build_admin_app(app.state.runtime))).start()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.response_ids import ResponseIds, StoredAt, derive_id_key
+from gateway.apis.responses.ids import ResponseIds, StoredAt, derive_id_key
 
 IDS = ResponseIds(derive_id_key("fleet-secret"))
 names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=64)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.errors import UpstreamError
-from gateway.responses_sse import IdRewriter, ResponsesObserver
+from gateway.apis.responses.sse import IdRewriter, ResponsesObserver
 from vllm_sim.responses_wire import Shape, event, response_usage
 
 RAW, PREV = "resp_" + "a" * 32, "resp_" + "b" * 32

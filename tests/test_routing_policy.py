@@ -14,7 +14,7 @@ from routing.least_load import LeastLoad
 from routing.prefix_affinity import PrefixAffinity
 from routing.rendezvous import Rendezvous, within_bound
 from routing.round_robin import RoundRobin
-from gateway.metrics import _PolicyCollector
+from gateway.observe.metrics import _PolicyCollector
 
 # The benchmark's replica view is the same fake of routing.base.ReplicaView.
 from bench.routing_sim import SimView as View

@@ -161,7 +161,7 @@ def test_a_first_token_proves_the_prefill_done_there() -> None:
 def test_decisions_the_rail_made_against_the_formula_are_counted() -> None:
     # A warm home has the least cost while its queue is short; once its queue is longer than
     # the least by more than a whole prefill, the rail refuses it, and the decision is counted.
-    from gateway.metrics import _PolicyCollector
+    from gateway.observe.metrics import _PolicyCollector
 
     clock = Clock()
     policy, replicas = TTFTAffinity(RoutingSettings(), clock), rated(4)

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.cli import main
+from gateway.server.cli import main
 from gateway.settings import load_settings
 from routing.tokenization import Tokenization
 from routing.tokenizer_files import PATTERNS, wanted
@@ -77,7 +77,7 @@ def test_from_the_hub_it_downloads_the_tokenizer_files_and_never_asks_for_the_we
         # As the init container runs it: its own process, the Hub named by HF_ENDPOINT, the
         # image's HF_HUB_OFFLINE=1 turned off for this step alone.
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")}
-        done = subprocess.run([sys.executable, "-m", "gateway.cli", "tokenizer", "acme/chat-1b", str(dest)],
+        done = subprocess.run([sys.executable, "-m", "gateway.server.cli", "tokenizer", "acme/chat-1b", str(dest)],
                               env=env, capture_output=True, text=True, timeout=120, check=False)
     finally:
         hub.stop()

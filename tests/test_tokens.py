@@ -334,7 +334,7 @@ def test_precise_demo_tokenizes_replicas_and_gateway_alike(tmp_path: Path) -> No
     port, admin_port = free_port(), free_port()
     log = tmp_path / "demo.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "demo", "--precise", "--no-semantic-cache",
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "demo", "--precise", "--no-semantic-cache",
                                  "--replicas", "2", "--time-scale", "0", "--port", str(port),
                                  "--admin-port", str(admin_port)],
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=subprocess.STDOUT)

@@ -399,7 +399,7 @@ def test_kvgate_check_compares_token_ids_as_vllms_own_tokenize_gives_them(server
                                                                           source: HFTokenSource) -> None:
     """``kvgate check``'s token-id check asks a replica's /tokenize for its probe chat: vLLM's own
     route gives exactly the ids kvgate computes, so the check passes where they agree."""
-    from gateway.check import add_tokens
+    from gateway.server.check import add_tokens
 
     results: list[tuple[Any, ...]] = []
     with httpx.Client(timeout=60) as client:

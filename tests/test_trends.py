@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.metrics import Metrics
-from gateway.trends import Trends, quantile
+from gateway.observe.metrics import Metrics
+from gateway.observe.trends import Trends, quantile
 from tests.support.clock import Clock
 from tests.support.stack import MODEL, Stack, start_stack
 

@@ -1,4 +1,4 @@
-"""gateway.multipart and the audio body check: pure, so properties over generated forms."""
+"""gateway.apis.utility.multipart and the audio body check: pure, so properties over generated forms."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.errors import BadRequest
-from gateway.multipart import boundary_of, field_text, parse_parts, without_fields
-from gateway.utility_validate import audio_body
+from gateway.apis.utility.multipart import boundary_of, field_text, parse_parts, without_fields
+from gateway.apis.utility.validate import audio_body
 from policies.salt import STRIPPED_FIELDS
 
 BOUNDARY = "----kvgate7MA4YWxkTrZu0gW"

@@ -219,7 +219,7 @@ def test_admin_changes_reach_every_worker(tmp_path: Path, gateway: Gateway) -> N
 def test_workers_setting_is_validated(tmp_path: Path) -> None:
     cfg = tmp_path / "k.yaml"
     cfg.write_text("workers: 0\n")
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], check=False,
+    out = subprocess.run([sys.executable, "-m", "gateway.server.cli", "serve", "--config", str(cfg)], check=False,
                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2 and "workers" in out.stderr, out.stderr
 
@@ -233,7 +233,7 @@ def test_a_port_in_use_fails_start_up_with_a_message(tmp_path: Path) -> None:
         cfg = tmp_path / "k.yaml"
         cfg.write_text(f"listen: {{host: 127.0.0.1, port: {held.getsockname()[1]}}}\nadmin: {{enabled: false}}\n"
                        "workers: 2\n")
-        out = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], check=False,
+        out = subprocess.run([sys.executable, "-m", "gateway.server.cli", "serve", "--config", str(cfg)], check=False,
                              capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 1 and "cannot bind the listeners" in out.stderr, out.stderr
 

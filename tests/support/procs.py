@@ -22,7 +22,7 @@ def start_kvgate(tmp: Path, config: dict[str, Any], *, name: str = "kvgate", wai
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "serve", "--config", str(path)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     if wait:
         url = f"http://{config['listen']['host']}:{config['listen']['port']}/readyz"

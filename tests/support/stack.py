@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from gateway.admin import build_admin_app
+from gateway.admin.api import build_admin_app
 from gateway.app import build_app
 from gateway.runtime import Runtime
 from gateway.settings import Settings, load_settings

@@ -1,0 +1,407 @@
+"""The replica pool: membership, health, ejection, load view and in-flight leases.
+
+Everything that changes a replica's state lives here, so accounting cannot
+drift: routing policies only read ``Replica`` objects (``routing.base.ReplicaView``)
+and the proxy only holds ``Lease`` objects, whose release is idempotent.
+
+Health has two sources. Active: ``GET /health`` every ``health_interval_s``
+(and ``/v1/models`` to discover models). Passive (Envoy-style outlier
+detection): consecutive 5xx or connect errors eject a replica for
+``eject_base_s x ejections`` (capped), never the last available one; it
+returns when the ejection has expired and an active check passes. A 429 is
+back-pressure and never counts. Load: ``vllm:num_requests_running`` /
+``_waiting`` / ``kv_cache_usage_perc`` scraped from ``/metrics`` about every
+second, the view every gateway instance shares. From the same scrape, each
+replica's prefill rate (``routing.rates``: the ``_sum``s of vLLM's per-request
+prefill histograms) and the size of its KV pool in tokens (``num_gpu_blocks`` x
+``block_size``, labels of ``vllm:cache_config_info``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import httpx
+
+from routing.rates import RATE_METRICS, prefill_rate
+
+from gateway.settings import PoolSettings, ReplicaSettings
+
+log = logging.getLogger("kvgate.pool")
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str
+    url: str
+    weight: float = 1.0
+    configured_models: tuple[str, ...] = ()
+    discovered_models: frozenset[str] = frozenset()
+    source: str = "config"  # "config" | "dns" | "admin"
+    # Active health: unknown (None) until the first check answers.
+    healthy: bool | None = None
+    draining: bool = False
+    ejected_until: float = 0.0
+    ejections: int = 0
+    consecutive_failures: int = 0
+    last_ok: float = 0.0
+    in_flight: int = 0
+    # Shared load view, from the replica's own /metrics.
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    in_flight_at_scrape: int = 0
+    prefill_rate: float | None = None
+    kv_tokens: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    served: int = 0
+    failures: int = 0
+    _urls: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
+
+    def url_for(self, path: str) -> httpx.URL:
+        """Parsed once per path: URL parsing is a visible share of a proxied request's cost."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(self.url + path)
+        return url
+
+    @property
+    def models(self) -> frozenset[str]:
+        return frozenset(self.configured_models) if self.configured_models else self.discovered_models
+
+    def ejected(self, now: float) -> bool:
+        return now < self.ejected_until
+
+    def available(self, now: float) -> bool:
+        # Unknown health counts as available: at start-up the first request should
+        # not wait for the first check, and a refused connect is retried anyway.
+        return self.healthy is not False and not self.draining and not self.ejected(now)
+
+    def serves(self, model: str) -> bool:
+        models = self.models
+        return not models or model in models
+
+
+class Lease:
+    """One request's hold on a replica. ``release()`` may be called any number of times."""
+
+    __slots__ = ("replica", "_released", "_on_release")
+
+    def __init__(self, replica: Replica, on_release: Callable[[Replica], None]) -> None:
+        self.replica = replica
+        self._released = False
+        self._on_release = on_release
+        replica.in_flight += 1
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.replica.in_flight -= 1
+            self._on_release(self.replica)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class RetryBudget:
+    """Envoy's retry budget: concurrent retries ≤ max(min, ratio x active requests)."""
+
+    ratio: float
+    minimum: int
+    active_retries: int = 0
+
+    def try_acquire(self, active_requests: int) -> bool:
+        if self.active_retries >= max(self.minimum, int(self.ratio * active_requests)):
+            return False
+        self.active_retries += 1
+        return True
+
+    def release(self) -> None:
+        self.active_retries = max(0, self.active_retries - 1)
+
+
+@dataclass
+class PoolEvents:
+    """Callbacks the metrics layer subscribes to (no import cycle, no globals)."""
+
+    on_eject: Callable[[Replica], None] = lambda r: None
+    on_restore: Callable[[Replica], None] = lambda r: None
+    on_failure: Callable[[Replica, str], None] = lambda r, kind: None
+    # LoRA adapters a replica lists in /v1/models (an id with a parent model).
+    on_adapters: Callable[[frozenset[str]], None] = lambda names: None
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        settings: PoolSettings,
+        client: httpx.AsyncClient,
+        replicas: Iterable[ReplicaSettings] = (),
+        *,
+        events: PoolEvents | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        # The hot path sends through the transport directly; see Runtime.
+        self.transport: httpx.AsyncBaseTransport = transport or client._transport
+        self.clock = clock
+        self.events = events or PoolEvents()
+        self.replicas: dict[str, Replica] = {}
+        self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min)
+        self.active_requests = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        for r in replicas:
+            self.add(r.name, r.url, weight=r.weight, models=r.models)
+
+    # -- membership -------------------------------------------------------
+    def add(self, name: str, url: str, *, weight: float = 1.0, models: Iterable[str] = (),
+            source: str = "config") -> Replica:
+        if name in self.replicas:
+            raise ValueError(f"replica {name!r} already exists")
+        replica = Replica(name=name, url=url.rstrip("/"), weight=weight,
+                          configured_models=tuple(models), source=source)
+        self.replicas[name] = replica
+        return replica
+
+    def drain(self, name: str, draining: bool = True) -> Replica:
+        replica = self.replicas[name]
+        replica.draining = draining
+        return replica
+
+    def remove(self, name: str) -> Replica:
+        # In-flight leases keep a reference and release into the detached object.
+        return self.replicas.pop(name)
+
+    # -- selection --------------------------------------------------------
+    def eligible(self, model: str) -> list[Replica]:
+        now = self.clock()
+        return [r for r in self.replicas.values() if r.serves(model) and r.available(now)]
+
+    def known_model(self, model: str) -> bool:
+        return any(r.serves(model) for r in self.replicas.values())
+
+    def models(self, *, healthy_only: bool = True) -> list[str]:
+        now = self.clock()
+        names: set[str] = set()
+        for r in self.replicas.values():
+            if not healthy_only or r.available(now):
+                names |= r.models
+        return sorted(names)
+
+    def acquire(self, replica: Replica) -> Lease:
+        self.active_requests += 1
+        return Lease(replica, self._released)
+
+    def _released(self, replica: Replica) -> None:
+        self.active_requests -= 1
+
+    # -- passive health ---------------------------------------------------
+    def record_success(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+        replica.served += 1
+        replica.last_ok = self.clock()
+
+    def record_failure(self, replica: Replica, kind: str = "response") -> None:
+        """A 5xx or connect error from the replica (never our own rejections, never 429).
+
+        ``kind`` (connect, connect_timeout, http_503, ...; "response": a reply that failed
+        after its status, a broken or stalled stream) labels kvgate_upstream_errors_total."""
+        self.events.on_failure(replica, kind)
+        replica.failures += 1
+        replica.consecutive_failures += 1
+        if replica.consecutive_failures >= self.settings.eject_consecutive_failures:
+            self._eject(replica)
+
+    def _eject(self, replica: Replica) -> None:
+        now = self.clock()
+        if replica.ejected(now):
+            return
+        others = [r for r in self.replicas.values() if r is not replica and r.available(now)]
+        if not others:
+            # Never eject the last available replica: a degraded answer beats none.
+            return
+        replica.ejections += 1
+        duration = min(self.settings.eject_base_s * replica.ejections, self.settings.eject_max_s)
+        replica.ejected_until = now + duration
+        replica.consecutive_failures = 0
+        # The replica must prove itself to an active check before it returns.
+        replica.healthy = False
+        log.warning("ejected replica", extra={"replica": replica.name, "seconds": duration})
+        self.events.on_eject(replica)
+
+    # -- active health and load ------------------------------------------
+    async def start(self) -> None:
+        await self.check_all()
+        self._tasks = [
+            asyncio.create_task(self._loop(self.check_all, self.settings.health_interval_s), name="health"),
+            asyncio.create_task(self._loop(self.scrape_all, self.settings.metrics_interval_s), name="scrape"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+
+    async def _loop(self, fn: Callable[[], "asyncio.Future[None] | object"], interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()  # type: ignore[misc]
+            except Exception:  # a monitoring hiccup must never kill the loop
+                log.exception("pool monitor iteration failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in list(self.replicas.values())))
+
+    async def check(self, replica: Replica) -> None:
+        timeout = httpx.Timeout(min(2.0, self.settings.health_interval_s * 2))
+        try:
+            resp = await self.client.get(replica.url + "/health", timeout=timeout)
+            ok = resp.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        now = self.clock()
+        if ok and not replica.configured_models and (not replica.discovered_models or not replica.healthy):
+            replica.discovered_models = await self._discover(replica, timeout)
+        was = replica.healthy
+        if replica.ejected(now):
+            return  # stays out until the ejection expires, whatever the check says
+        replica.healthy = ok
+        if ok and was is False:
+            log.info("replica healthy again", extra={"replica": replica.name})
+            self.events.on_restore(replica)
+        if ok and replica.ejections and now - replica.last_ok > self.settings.eject_max_s:
+            replica.ejections = 0  # a long healthy stretch forgives past ejections
+
+    async def _discover(self, replica: Replica, timeout: httpx.Timeout) -> frozenset[str]:
+        try:
+            resp = await self.client.get(replica.url + "/v1/models", timeout=timeout)
+            data = [m for m in resp.json().get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            # vLLM lists a LoRA adapter with its base model as parent: precise routing keys its
+            # blocks apart (routing.token_keys), from its first request on.
+            adapters = frozenset(m["id"] for m in data if isinstance(m.get("parent"), str) and m["parent"]
+                                 and m["parent"] != m["id"])
+            if adapters:
+                self.events.on_adapters(adapters)
+            return frozenset(m["id"] for m in data)
+        except (httpx.HTTPError, ValueError, AttributeError, KeyError):
+            return replica.discovered_models
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(r) for r in list(self.replicas.values()) if r.healthy is not False))
+
+    async def scrape(self, replica: Replica) -> None:
+        try:
+            resp = await self.client.get(replica.url + "/metrics", timeout=httpx.Timeout(2.0))
+            if resp.status_code != 200:
+                return
+            apply_vllm_metrics(replica, resp.text)
+        except httpx.HTTPError:
+            return
+
+
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # pre-V1 name
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:gpu_prefix_cache_queries_total": "prefix_queries",
+    "vllm:gpu_prefix_cache_hits_total": "prefix_hits",
+    # Not replica attributes: apply_vllm_metrics turns the two into prefill_rate.
+    **RATE_METRICS,
+}
+_CACHE_INFO = "vllm:cache_config_info"
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Sum the samples of the metrics kvgate reads, across label sets (one per model or engine).
+
+    ``kv_tokens``: ``num_gpu_blocks`` x ``block_size`` from ``vllm:cache_config_info``'s
+    labels, summed over its engines (each has a pool of its own); absent while vLLM
+    has not sized its pool (``num_gpu_blocks="None"``)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = line.find("{")
+        space = line.rfind(" ")
+        name = line[: name_end if name_end >= 0 else line.find(" ")]
+        attr = _GAUGES.get(name)
+        if attr is None:
+            if name == _CACHE_INFO and name_end >= 0:
+                tokens = _pool_tokens(line[name_end:space])
+                if tokens is not None:
+                    out["kv_tokens"] = out.get("kv_tokens", 0.0) + tokens
+            continue
+        try:
+            value = float(line[space + 1:])
+        except ValueError:
+            continue
+        out[attr] = out.get(attr, 0.0) + value
+    return out
+
+
+def _label(labels: str, key: str) -> str | None:
+    """The value of label ``key`` in a ``{a="x",b="y"}`` block (values here never hold quotes)."""
+    for opener in ("{", ","):
+        start = labels.find(f'{opener}{key}="')
+        if start >= 0:
+            start += len(key) + 3
+            end = labels.find('"', start)
+            return labels[start:end] if end >= 0 else None
+    return None
+
+
+def _pool_tokens(labels: str) -> float | None:
+    blocks, block_size = _label(labels, "num_gpu_blocks"), _label(labels, "block_size")
+    try:
+        tokens = int(blocks or "") * int(block_size or "")
+    except ValueError:
+        return None  # "None" before vLLM sizes the pool, or missing
+    return float(tokens) if tokens > 0 else None
+
+
+def apply_vllm_metrics(replica: Replica, text: str) -> None:
+    values = parse_vllm_metrics(text)
+    tokens_sum, seconds_sum = values.pop("prefill_tokens_sum", None), values.pop("prefill_seconds_sum", None)
+    if tokens_sum is not None and seconds_sum is not None:
+        # None again after a restart (the counters start at zero) until a prefill finishes.
+        replica.prefill_rate = prefill_rate(tokens_sum, seconds_sum)
+    for attr, value in values.items():
+        setattr(replica, attr, value)
+    # Which of the reported requests were ours (routing.base.load_now).
+    replica.in_flight_at_scrape = replica.in_flight
+
+
+def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:
+    """A read-only view for /readyz, the admin API and the status page."""
+    now = pool.clock()
+    rows = []
+    for r in pool.replicas.values():
+        hit = ((r.prefix_hits or 0.0) / r.prefix_queries) if r.prefix_queries else None
+        rows.append({
+            "name": r.name, "url": r.url, "models": sorted(r.models), "healthy": r.healthy,
+            "available": r.available(now), "draining": r.draining, "ejected": r.ejected(now),
+            "ejections": r.ejections, "in_flight": r.in_flight, "running": r.running, "waiting": r.waiting,
+            "kv_usage": r.kv_usage, "prefix_hit_rate": hit, "served": r.served, "failures": r.failures,
+            "weight": r.weight, "source": r.source, "prefill_rate": r.prefill_rate, "kv_tokens": r.kv_tokens,
+        })
+    return rows

@@ -1,0 +1,154 @@
+"""The per-request stages around forwarding: tenant policy, the semantic cache, and
+what happens once an answer is complete. Each is a small function over the runtime
+and the request context, called by the proxy in a fixed order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from policies import AuthError, PolicyError
+from routing import strip_cache_control
+
+from .asgi_io import Exchange
+from gateway.errors import from_policy
+from .relay import SSE_HEADERS, Outcome
+
+if TYPE_CHECKING:
+    from policies import Tenant
+
+    from .context import RequestContext
+    from gateway.runtime import Runtime
+
+log = logging.getLogger("kvgate.stages")
+# Looked up by the cache: responses and messages only to be bypassed, their reason counted in
+# metrics (x-kvgate-cache: bypass). semantic_cache keys and replays chat and completions answers only.
+_CACHEABLE = ("chat", "completions", "responses", "messages")
+
+
+def authenticate(rt: "Runtime", headers: dict[str, str], query_string: bytes) -> "Tenant":
+    try:
+        return rt.engine.authenticate(headers, query_string)
+    except (AuthError, PolicyError) as err:
+        raise from_policy(err) from None
+
+
+async def admit(rt: "Runtime", ctx: "RequestContext") -> None:
+    """Tenant policy: model allow-list, salt, client-field stripping, hygiene, rate limits."""
+    decision = await rt.engine.admit(ctx.tenant, ctx.endpoint, ctx.body)  # type: ignore[arg-type]
+    if decision.rejection is not None:
+        rej = decision.rejection
+        if rej.status == 429:
+            rt.metrics.rate_limited.labels(ctx.tenant.name, rej.code).inc()
+        raise from_policy(rej, headers=dict(rej.headers))
+    ctx.body = dict(decision.body)
+    for name, value in decision.response_headers:
+        ctx.extra_headers.append((name.encode("latin-1"), value.encode("latin-1")))
+    if decision.warnings:
+        row = rt.tenant_stats.row(ctx.tenant.name)
+        for w in decision.warnings:
+            rt.metrics.hygiene.labels(ctx.tenant.name, w.kind).inc()
+            row.warnings += 1
+
+
+def upstream_body(ctx: "RequestContext") -> dict[str, Any]:
+    """What the replica receives: no routing hints it would reject; usage always on for streams."""
+    if ctx.endpoint in ("messages", "count_tokens"):
+        # vLLM takes cache_control on /v1/messages, and its streams always end with usage.
+        return dict(ctx.body)
+    body = strip_cache_control(ctx.body) if ctx.endpoint == "chat" else dict(ctx.body)
+    if ctx.stream and not ctx.include_usage:
+        so = body.get("stream_options")
+        body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+    return body
+
+
+async def serve_from_cache(rt: "Runtime", ctx: "RequestContext", exchange: Exchange) -> bool:
+    """Answer from the semantic cache when it can; marks the request for storing when it can't."""
+    cache = rt.cache
+    if cache is None or ctx.endpoint not in _CACHEABLE:
+        return False
+    from semantic_cache import cache_request, completion_body, sse_events
+
+    req = cache_request(ctx.endpoint, ctx.tenant.namespace, ctx.body, ctx.headers,
+                        enabled_for_tenant=ctx.tenant.semantic_cache, settings=rt.settings.semantic_cache)
+    lookup = await cache.lookup(req)
+    exchange.add_header("x-kvgate-cache", lookup.status)
+    row = rt.tenant_stats.row(ctx.tenant.name)
+    if lookup.status != "bypass":
+        row.semantic_lookups += 1
+    rt.metrics.cache.labels(lookup.status, lookup.tier or "-", ctx.tenant.name).inc()
+    if lookup.status != "hit" or lookup.answer is None:
+        if req.bypass_reason is None or req.store_ok:
+            ctx.cache_req = req
+            ctx.cache_embedding = lookup.embedding
+        return False
+    row.semantic_hits += 1
+    row.requests += 1
+    exchange.add_header("x-kvgate-cache-similarity", f"{lookup.similarity if lookup.similarity is not None else 1:.4f}")
+    exchange.add_header("x-kvgate-replica", "cache")
+    if ctx.stream:
+        await exchange.start(200, SSE_HEADERS)
+        for event in sse_events(lookup.answer, request_id=ctx.request_id, model=ctx.model, endpoint=ctx.endpoint,
+                                include_usage=ctx.include_usage):
+            await exchange.body(event)
+        await exchange.body(b"", more=False)
+    else:
+        await exchange.json(200, completion_body(lookup.answer, request_id=ctx.request_id, model=ctx.model,
+                                                 endpoint=ctx.endpoint))
+    return True
+
+
+def after_response(rt: "Runtime", ctx: "RequestContext", replica: str, outcome: Outcome) -> None:
+    """Account for a served answer (``store_answer`` already cached it, if it could)."""
+    row = rt.tenant_stats.row(ctx.tenant.name)
+    row.requests += 1
+    usage = outcome.usage
+    tenant = ctx.tenant.name
+    if usage is not None:
+        tokens = rt.metrics.tokens
+        if usage.prompt_tokens:
+            tokens.labels("prompt", replica, tenant).inc(usage.prompt_tokens)
+            row.prompt_tokens += usage.prompt_tokens
+        if usage.completion_tokens:
+            tokens.labels("completion", replica, tenant).inc(usage.completion_tokens)
+        if usage.cached_tokens:
+            tokens.labels("cached", replica, tenant).inc(usage.cached_tokens)
+            row.cached_tokens += usage.cached_tokens
+        total = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
+        if total and (ctx.tenant.tpm is not None):
+            rt.spawn(rt.engine.record_usage(ctx.tenant, total))
+
+
+async def store_answer(rt: "Runtime", ctx: "RequestContext", outcome: Outcome) -> None:
+    """Cache a whole, clean answer; the relay awaits this before the client's final bytes.
+
+    The exact-tier write is waited for (an in-process store at once, Redis one round
+    trip), at most ``store_wait_ms``: a slow Redis finishes it in the background rather
+    than hold the response. The vector follows in the background as soon as the
+    embedding the lookup started is ready."""
+    cache = rt.cache
+    if (ctx.cache_req is None or cache is None or not outcome.complete or outcome.failure is not None
+            or outcome.has_tool_calls):
+        return
+    from semantic_cache import CachedAnswer
+
+    usage = outcome.usage
+    answer = CachedAnswer(content=outcome.text, finish_reason=outcome.finish_reason or "",
+                          model=ctx.model, prompt_tokens=(usage.prompt_tokens or 0) if usage else 0,
+                          completion_tokens=(usage.completion_tokens or 0) if usage else 0,
+                          created=int(time.time()))
+    req, embedding = ctx.cache_req, ctx.cache_embedding
+    ctx.cache_req = ctx.cache_embedding = None  # stored once, whatever happens next
+
+    async def write() -> None:
+        assert cache is not None
+        stored = await cache.store_exact(req, answer, embedding)
+        if not isinstance(stored, bool):
+            rt.spawn(cache.store_vector(stored))
+
+    # A task, so neither the wait's bound nor a client going away cuts the write short.
+    await asyncio.wait({rt.spawn(write())}, timeout=rt.settings.semantic_cache.store_wait_ms / 1000)

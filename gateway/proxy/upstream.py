@@ -1,0 +1,189 @@
+"""Open a response from the best replica, retrying only when the first did no work.
+
+Walks the routing policy's preference order. A retry happens only when the
+replica provably did no work for this request — the connection was refused,
+or it answered 429 / 503 before any byte — and only within the pool's retry
+budget. Connect errors and 5xx count towards ejection; 429 never does (it is
+back-pressure). The caller owns the returned response and lease and must
+close/release both (``Attempt.close``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import httpx
+import orjson
+
+from routing import RouteRequest, RoutingPolicy
+
+from gateway.errors import BadRequest, GatewayError, NoReplica, NotFound, RateLimited, UpstreamError, UpstreamTimeout
+from .pool import Lease, Replica, ReplicaPool
+
+log = logging.getLogger("kvgate.upstream")
+
+_RETRYABLE_STATUS = {429, 503}
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                   httpx.WriteError, httpx.PoolTimeout)
+
+
+@dataclass
+class Attempt:
+    response: httpx.Response
+    lease: Lease
+    retries: int
+    budget_held: int = 0
+    pool: ReplicaPool | None = field(default=None, repr=False)
+    # What choosing the replica cost (the policy's ``prefer``), for the routing-cost figures.
+    prefer_s: float = 0.0
+
+    @property
+    def replica(self) -> Replica:
+        return self.lease.replica
+
+    async def close(self) -> None:
+        try:
+            await self.response.aclose()
+        finally:
+            self.lease.release()
+            if self.pool is not None:
+                for _ in range(self.budget_held):
+                    self.pool.budget.release()
+                self.budget_held = 0
+
+
+@dataclass(slots=True)
+class UpstreamCall:
+    path: str
+    payload: bytes
+    headers: dict[str, str]
+    read_timeout_s: float
+    connect_timeout_s: float
+    max_attempts: int
+
+
+async def open_upstream(
+    pool: ReplicaPool, policy: RoutingPolicy, route: RouteRequest, call: UpstreamCall,
+    replica_keys: dict[str, str] | None = None,
+) -> Attempt:
+    candidates = pool.eligible(route.model)
+    if not candidates:
+        if not pool.known_model(route.model):
+            raise NotFound(f"model '{route.model}' is not served here", param="model")
+        raise NoReplica(f"no healthy replica serves model '{route.model}'")
+    started = time.perf_counter()
+    order = policy.prefer(route, candidates)
+    prefer_s = time.perf_counter() - started
+    timeout = {"connect": call.connect_timeout_s, "read": call.read_timeout_s, "write": call.connect_timeout_s,
+               "pool": call.connect_timeout_s}
+    retry_after: float | None = None
+    last_error: GatewayError | None = None
+    budget_held = 0
+    try:
+        for attempt_no, view in enumerate(order[: call.max_attempts]):
+            replica = cast(Replica, view)  # the pool hands policies its own Replica objects
+            if attempt_no > 0:
+                if not pool.budget.try_acquire(pool.active_requests):
+                    break
+                budget_held += 1
+            lease = pool.acquire(replica)
+            headers = call.headers
+            if replica_keys and replica.name in replica_keys:
+                headers = {**headers, "authorization": f"Bearer {replica_keys[replica.name]}"}
+            request = httpx.Request("POST", replica.url_for(call.path), content=call.payload, headers=headers,
+                                    extensions={"timeout": timeout})
+            try:
+                response = await pool.transport.handle_async_request(request)
+            except httpx.TimeoutException as e:
+                lease.release()
+                if isinstance(e, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+                    pool.record_failure(replica, "connect_timeout")
+                    last_error = UpstreamError(f"replica {replica.name} did not accept the connection")
+                    continue
+                # It may be working on the request: never duplicate generation.
+                raise UpstreamTimeout(f"replica {replica.name} sent no response in time") from None
+            except _CONNECT_ERRORS:
+                lease.release()
+                pool.record_failure(replica, "connect")
+                last_error = UpstreamError(f"replica {replica.name} refused or dropped the connection")
+                continue
+            except BaseException:
+                lease.release()
+                raise
+            if response.status_code in _RETRYABLE_STATUS:
+                retry_after = _max_retry_after(retry_after, response)
+                if response.status_code == 503:
+                    pool.record_failure(replica, "http_503")
+                last_error = await _status_error(response, replica)
+                await response.aclose()
+                lease.release()
+                continue
+            if response.status_code >= 500:
+                pool.record_failure(replica, f"http_{response.status_code}")
+            attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool,
+                              prefer_s=prefer_s)
+            budget_held = 0
+            return attempt
+    finally:
+        for _ in range(budget_held):
+            pool.budget.release()
+    if isinstance(last_error, RateLimited):
+        raise RateLimited("every replica is at capacity; retry later", retry_after_s=retry_after or 1.0)
+    raise last_error or NoReplica(f"no replica could take the request for '{route.model}'")
+
+
+def _max_retry_after(current: float | None, response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        seconds = None
+    if seconds is None:
+        return current
+    seconds = min(max(seconds, 0.0), 120.0)
+    return seconds if current is None else max(current, seconds)
+
+
+async def _status_error(response: httpx.Response, replica: Replica) -> GatewayError:
+    if response.status_code == 429:
+        return RateLimited(f"replica {replica.name} is at capacity", retry_after_s=1.0)
+    return UpstreamError(f"replica {replica.name} is unavailable ({response.status_code})")
+
+
+async def read_error_body(response: httpx.Response, replica: Replica, limit: int = 64 * 1024) -> GatewayError:
+    """Translate a non-2xx answer into our error. Client errors keep the replica's message."""
+    raw = b""
+    try:
+        async with asyncio.timeout(5):
+            async for chunk in response.aiter_raw():
+                raw += chunk
+                if len(raw) > limit:
+                    break
+    except (TimeoutError, httpx.HTTPError):
+        pass
+    status = response.status_code
+    if 400 <= status < 500:
+        message, param = _upstream_message(raw)
+        err: GatewayError = BadRequest(message or f"replica rejected the request ({status})", param=param,
+                                       code="upstream_rejected")
+        err.status = status if status in (400, 404, 413, 422) else 400
+        return err
+    return UpstreamError(f"replica {replica.name} failed ({status})")
+
+
+def _upstream_message(raw: bytes) -> tuple[str | None, str | None]:
+    try:
+        obj: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None, None
+    err = obj.get("error", obj) if isinstance(obj, dict) else None
+    if not isinstance(err, dict):
+        return None, None
+    message = err.get("message")
+    param = err.get("param")
+    return (message[:1000] if isinstance(message, str) else None,
+            param if isinstance(param, str) else None)
