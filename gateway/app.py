@@ -20,11 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .errors import BadRequest, GatewayError, NotFound
-from gateway.apis.messages.validate import is_messages_path, shape_for
+from .errors import BadRequest, GatewayError, NotFound, ShapeByPath
+from gateway.apis.messages.endpoint import MessagesEndpoint
 from gateway.proxy.asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
-from gateway.proxy.endpoint import PATHS, ProxyEndpoint
+from gateway.proxy.endpoint import ProxyEndpoint
 from gateway.apis.responses.endpoint import ResponsesEndpoint
 from gateway.apis.responses.routes import response_routes
 from gateway.apis.utility.routes import utility_endpoints
@@ -38,25 +38,36 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree that w
     _VERSION = "unknown"
 
 
-def _error_response(err: GatewayError, request: Request | None = None) -> Response:
-    # Under /v1/messages even a wrong route or method answers in Anthropic's shape.
-    path = request.url.path if request is not None else ""
-    headers = err.headers
-    if request is not None and is_messages_path(path) and "kvgate.request_id" in request.scope:
-        headers = {**headers, "request-id": request.scope["kvgate.request_id"]}
-    return Response(shape_for(path).payload(err), status_code=err.status, media_type="application/json",
-                    headers=headers)
+# The endpoint classes of the proxy routes: OpenAI's chat family, then each API's subclass.
+ENDPOINT_KINDS: tuple[type[ProxyEndpoint], ...] = (ProxyEndpoint, ResponsesEndpoint, MessagesEndpoint)
 
 
-async def _http_exception(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        return _error_response(NotFound(f"unknown route {request.url.path}", code="unknown_route"), request)
-    if exc.status_code == 405:
+class _Errors:
+    """Errors answered outside a proxy endpoint, in the shape of the API whose path it is:
+    under /v1/messages even a wrong route or method answers in Anthropic's shape."""
+
+    def __init__(self, shapes: ShapeByPath) -> None:
+        self.shapes = shapes
+
+    def response(self, err: GatewayError, request: Request) -> Response:
+        shape = self.shapes(request.url.path)
+        headers = err.headers
+        if shape.request_id_header is not None and "kvgate.request_id" in request.scope:
+            headers = {**headers, shape.request_id_header: request.scope["kvgate.request_id"]}
+        return Response(shape.payload(err), status_code=err.status, media_type="application/json", headers=headers)
+
+    async def http_exception(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return self.response(NotFound(f"unknown route {request.url.path}", code="unknown_route"), request)
+        if exc.status_code == 405:
+            return await self.method_not_allowed(request)
+        return self.response(BadRequest(str(exc.detail)), request)
+
+    async def method_not_allowed(self, request: Request) -> Response:
         err = BadRequest(f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
         err.status = 405
-        return _error_response(err, request)
-    return _error_response(BadRequest(str(exc.detail)), request)
+        return self.response(err, request)
 
 
 def _routes(rt: Runtime) -> list[Route]:
@@ -97,11 +108,13 @@ class KvgateApp:
     wrong method on a proxy route, and lifespan go to the Starlette app.
     """
 
-    def __init__(self, app: Starlette, endpoints: dict[str, ProxyEndpoint], worker: WorkerInfo | None = None) -> None:
+    def __init__(self, app: Starlette, endpoints: dict[str, ProxyEndpoint], worker: WorkerInfo | None = None,
+                 shapes: ShapeByPath | None = None) -> None:
         self.app = app
         self.state = app.state
         self.endpoints = endpoints
-        self.http = middleware_stack(self._dispatch, worker=None if worker is None else worker.id)
+        self.http = middleware_stack(self._dispatch, worker=None if worker is None else worker.id,
+                                     shapes=shapes or ShapeByPath())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -129,18 +142,14 @@ def build_app(settings: Settings, *, runtime: Runtime | None = None, config_path
         finally:
             await rt.stop()
 
-    kinds = {"responses": ResponsesEndpoint}  # protocols with their own hooks; the rest are chat-like
-    endpoints: dict[str, ProxyEndpoint] = {PATHS[name]: kinds.get(name, ProxyEndpoint)(name, rt) for name in PATHS}
+    endpoints: dict[str, ProxyEndpoint] = {kind.paths[name]: kind(name, rt)
+                                           for kind in ENDPOINT_KINDS for name in kind.paths}
     endpoints.update(utility_endpoints(rt))
-    proxy_routes = [Route(path, _method_not_allowed, methods=["GET", "PUT", "PATCH", "DELETE"])
+    shapes = ShapeByPath({kind.claims: kind.shape for kind in ENDPOINT_KINDS if kind.claims is not None})
+    errors = _Errors(shapes)
+    proxy_routes = [Route(path, errors.method_not_allowed, methods=["GET", "PUT", "PATCH", "DELETE"])
                     for path in endpoints]
     app = Starlette(routes=[*_routes(rt), *proxy_routes, *response_routes(rt)], lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_exception})
+                    exception_handlers={HTTPException: errors.http_exception})
     app.state.runtime = rt
-    return KvgateApp(app, endpoints, worker)
-
-
-async def _method_not_allowed(request: Request) -> Response:
-    err = BadRequest(f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
-    err.status = 405
-    return _error_response(err, request)
+    return KvgateApp(app, endpoints, worker, shapes)

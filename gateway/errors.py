@@ -23,7 +23,7 @@ embed a key, a prompt or an upstream's raw body.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import orjson
 
@@ -128,8 +128,11 @@ def sse_error_event(err: GatewayError) -> bytes:
 
 class ErrorShape(Protocol):
     """How one route spells kvgate's errors: a whole response body, and an event in a stream
-    that already started. OpenAI's by default; /v1/messages uses Anthropic's
-    (``gateway.apis.messages.validate.ANTHROPIC_SHAPE``)."""
+    that already started; and the header, besides x-request-id, where its SDK looks for the
+    request id. OpenAI's by default; /v1/messages uses Anthropic's
+    (``gateway.apis.messages.shape.ANTHROPIC_SHAPE``)."""
+
+    request_id_header: str | None
 
     def payload(self, err: GatewayError) -> bytes: ...
 
@@ -137,6 +140,8 @@ class ErrorShape(Protocol):
 
 
 class OpenAIShape:
+    request_id_header: str | None = None
+
     def payload(self, err: GatewayError) -> bytes:
         return error_payload(err)
 
@@ -145,6 +150,21 @@ class OpenAIShape:
 
 
 OPENAI_SHAPE = OpenAIShape()
+
+
+class ShapeByPath:
+    """The shape of an error answered outside a proxy endpoint (headers too large, an unknown
+    route, a wrong method): an API's own under the path prefix it claims, even for routes that
+    do not exist there, OpenAI's everywhere else. The app builds it from the endpoints it serves."""
+
+    def __init__(self, claims: Mapping[str, ErrorShape] | None = None) -> None:
+        self.claims = dict(claims or {})
+
+    def __call__(self, path: str) -> ErrorShape:
+        for prefix, shape in self.claims.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                return shape
+        return OPENAI_SHAPE
 
 
 def from_policy(err: Any, headers: dict[str, str] | None = None) -> GatewayError:

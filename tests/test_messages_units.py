@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.errors import BadRequest, GatewayError, NoReplica, RateLimited, UpstreamError
-from gateway.apis.messages.validate import ANTHROPIC_SHAPE, error_type
+from gateway.apis.messages.shape import ANTHROPIC_SHAPE, error_type
 from gateway.apis.messages.sse import MessagesObserver, anthropic_usage, whole_message
 from policies.decision import hygiene_body
 from routing.base import RouteRequest

@@ -18,7 +18,7 @@ import httpx
 import orjson
 
 from gateway.errors import BadRequest, NoReplica
-from gateway.apis.messages.validate import ANTHROPIC_SHAPE
+from gateway.apis.messages.shape import ANTHROPIC_SHAPE
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL, sim_config
 from tests.support.vllm_env import need_vllm, vllm_env

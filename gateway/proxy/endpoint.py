@@ -1,11 +1,15 @@
 """The hot path: parse, run policies, route, forward, stream back.
 
-One ASGI endpoint per OpenAI route, and per Anthropic Messages route (its
-protocol's specifics live in ``messages_api`` and ``messages_sse``). It holds
-no business logic of its own: validation (``validate``), tenant policy
-(``runtime.admit``), the semantic cache, routing (``upstream.open_upstream``)
-and relaying (``relay``) are each behind a narrow call. Errors become responses in the route's shape
-(``Exchange.shape``) here and nowhere else.
+One ASGI endpoint per route of OpenAI's chat family. It holds no business
+logic of its own: validation (``validate``), tenant policy (``stages.admit``),
+the semantic cache, routing (``upstream.open_upstream``) and relaying
+(``relay``) are each behind a narrow call. Errors become responses in the
+route's shape (``Exchange.shape``) here and nowhere else.
+
+Another API is a subclass in ``gateway.apis`` that overrides the class
+attributes and hooks below (its paths, error shape and unary routes; body
+checks, upstream body and headers, stream observers); this module never
+branches on which API it serves.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import orjson
 
@@ -25,10 +29,7 @@ from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_bo
 from . import stages
 from gateway.errors import OPENAI_SHAPE, BadRequest, ErrorShape, GatewayError, UpstreamError, UpstreamTimeout, \
     internal_error
-from gateway.apis.messages.validate import MESSAGES_ENDPOINTS, MESSAGES_PATHS, shape_for, upstream_headers, \
-    validate_messages
-from gateway.apis.messages.sse import MessagesObserver
-from .relay import Outcome, relay_stream, relay_whole
+from .relay import Outcome, WholeObserver, relay_stream, relay_whole
 from .sse import StreamObserver
 from .transport import UPSTREAM_HEADERS
 from .upstream import Attempt, UpstreamCall, open_upstream, read_error_body
@@ -39,30 +40,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvgate.access")
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
-         "responses": "/v1/responses", **MESSAGES_PATHS}
-_UNARY = ("embeddings", "count_tokens")
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 
 class ProxyEndpoint:
-    # Class defaults, so a subclass with its own __init__ (utility routes) keeps OpenAI's shape.
-    shape: ErrorShape = OPENAI_SHAPE
-    anthropic = False
+    # What a subclass for another API overrides (class defaults, so a subclass with its own
+    # __init__, the utility routes, keeps OpenAI's).
+    paths: ClassVar[Mapping[str, str]] = PATHS  # endpoint name -> the client's path (and the replica's)
+    shape: ClassVar[ErrorShape] = OPENAI_SHAPE
+    # The path prefix whose other errors (unknown route, wrong method) answer in ``shape``.
+    claims: ClassVar[str | None] = None
+    unary: ClassVar[frozenset[str]] = frozenset({"embeddings"})  # never streamed, whatever the body says
+    # Whether serving leaves prompt blocks on the replica that routing should learn from.
+    prefills = True
 
     def __init__(self, endpoint: str, runtime: "Runtime") -> None:
         self.endpoint = endpoint
-        self.path = PATHS[endpoint]
+        self.path = self.paths[endpoint]
         self.rt = runtime
-        self.shape = shape_for(self.path)
-        self.anthropic = endpoint in MESSAGES_ENDPOINTS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         headers = _headers(scope)
         rid = scope.get("kvgate.request_id") or request_id(headers.get("x-request-id"))
         exchange = Exchange(send, [], self.shape)
-        if self.anthropic:
-            exchange.add_header("request-id", rid)  # where the anthropic SDK looks for it
+        if self.shape.request_id_header is not None:
+            exchange.add_header(self.shape.request_id_header, rid)
         status, replica, tenant, outcome, ctx = 0, "-", "-", None, None
         try:
             ctx = await self._prepare(scope, receive, headers, rid, started)
@@ -101,14 +104,11 @@ class ProxyEndpoint:
         raw = await read_body(receive, limit=limits.max_body_bytes, content_length=headers.get("content-length"),
                               deadline_s=rt.settings.timeouts.body_receive_s)
         body = parse_json(raw, max_depth=limits.max_json_depth)
-        if self.anthropic:  # Anthropic's body rules, and its anthropic-version header
-            model = validate_messages(self.endpoint, body, headers, max_tokens=limits.max_tokens_ceiling)
-        else:
-            model = self._validate(body)
+        model = self._validate(body, headers)
         if rt.settings.log_prompts and log.isEnabledFor(logging.DEBUG):
             # Only with log_prompts: true AND debug level, both set on purpose by an operator.
             log.debug("request body", extra={"request_id": rid, "body": body})
-        stream = bool(body.get("stream")) and self.endpoint not in _UNARY
+        stream = bool(body.get("stream")) and self.endpoint not in self.unary
         so = body.get("stream_options")
         include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
         ctx = RequestContext(rid, self.endpoint, headers, body, model, tenant, stream, include_usage, started)
@@ -131,7 +131,7 @@ class ProxyEndpoint:
         call = UpstreamCall(
             path=self.path, payload=orjson.dumps(body),
             headers={**UPSTREAM_HEADERS, "content-type": "application/json", "x-request-id": ctx.request_id,
-                     **(upstream_headers(ctx.headers) if self.anthropic else {})},
+                     **self._upstream_headers(ctx)},
             read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
         )
@@ -142,7 +142,7 @@ class ProxyEndpoint:
         try:
             replica = attempt.replica
             outcome = await self._forward(ctx, exchange, attempt)
-            if self.endpoint != "count_tokens":  # counting prefills nothing: the replica holds no new blocks
+            if self.prefills:
                 started = time.perf_counter()
                 rt.policy.observe(route, RouteFeedback(
                     replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
@@ -177,13 +177,26 @@ class ProxyEndpoint:
         rt.pool.record_success(replica) if outcome.failure is None else rt.pool.record_failure(replica)
         return outcome
 
-    # Per-protocol hooks: a protocol with its own body rules or routing overrides these.
-    def _validate(self, body: dict[str, Any]) -> str:
+    # Per-API hooks: an API with its own body rules, wire or routing overrides these.
+    def _validate(self, body: dict[str, Any], headers: dict[str, str]) -> str:
+        """Check the body (and any header the API defines); returns the model name."""
         limits = self.rt.settings.limits
         return validate(self.endpoint, body, max_n=limits.max_n, max_tokens=limits.max_tokens_ceiling)
 
     def _upstream_body(self, ctx: RequestContext) -> dict[str, Any]:
         return stages.upstream_body(ctx)
+
+    def _upstream_headers(self, ctx: RequestContext) -> dict[str, str]:
+        """Client headers the API passes on (credentials never: upstream headers are built from scratch)."""
+        return {}
+
+    def _observer(self, ctx: RequestContext) -> StreamObserver:
+        """What reads the replica's stream as it passes through (usage, text, the end)."""
+        return StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
+
+    def _whole_observer(self) -> WholeObserver | None:
+        """What reads a whole answer; None: the chat family's (``relay.observe_choices``)."""
+        return None
 
     async def _open(self, route: RouteRequest, call: UpstreamCall, ctx: RequestContext) -> Attempt:
         return await open_upstream(self.rt.pool, self.rt.policy, route, call, self.rt.replica_keys)
@@ -192,13 +205,11 @@ class ProxyEndpoint:
         timeouts = self.rt.settings.timeouts
         on_complete = None if ctx.cache_req is None else partial(stages.store_answer, self.rt, ctx)
         if ctx.stream:
-            observer = MessagesObserver() if self.endpoint == "messages" else \
-                StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
-            return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
+            return await relay_stream(response, exchange, self._observer(ctx), first_byte_s=timeouts.first_byte_s,
                                       stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete,
                                       on_first=ctx.first_token)
         return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s,
-                                 on_complete=on_complete)
+                                 on_complete=on_complete, observe=self._whole_observer())
 
     def _record(self, rid: str, status: int, replica: str, tenant: str, started: float,
                 outcome: Outcome | None) -> None:

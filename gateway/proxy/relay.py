@@ -23,7 +23,6 @@ import orjson
 
 from .asgi_io import Exchange
 from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.apis.messages.sse import whole_message
 from .sse import StreamObserver, Usage
 
 SSE_HEADERS = [
@@ -49,6 +48,8 @@ class Outcome:
 
 
 OnComplete = Callable[[Outcome], Awaitable[None]]
+# Reads a whole (non-streamed) answer's JSON object into the outcome: usage, text, finish.
+WholeObserver = Callable[[dict[str, Any], Outcome], None]
 
 
 def _observed(outcome: Outcome, observer: StreamObserver) -> Outcome:
@@ -154,11 +155,15 @@ async def relay_stream(
 
 async def relay_whole(
     response: httpx.Response, exchange: Exchange, *, endpoint: str, timeout_s: float,
-    max_bytes: int = 64 * 1024 * 1024, on_complete: OnComplete | None = None,
+    max_bytes: int = 64 * 1024 * 1024, on_complete: OnComplete | None = None, observe: WholeObserver | None = None,
 ) -> Outcome:
+    """``observe`` reads the answer (another API's wire); by default the chat family's ``choices``."""
     body, obj = await read_whole(response, timeout_s=timeout_s, max_bytes=max_bytes)
     outcome = Outcome(usage=Usage.from_obj(obj.get("usage")), raw=body)
-    _observe_whole(obj, endpoint, outcome)
+    if observe is None:
+        observe_choices(obj, endpoint, outcome)
+    else:
+        observe(obj, outcome)
     if on_complete is not None:
         await on_complete(outcome)
     await exchange.json(200, body)
@@ -194,13 +199,8 @@ async def read_whole(response: httpx.Response, *, timeout_s: float,
     return body, obj
 
 
-def _observe_whole(obj: dict[str, Any], endpoint: str, outcome: Outcome) -> None:
-    if endpoint == "messages":  # an Anthropic ``message``: content blocks, stop_reason, its own usage
-        msg = whole_message(obj)
-        outcome.usage, outcome.text, outcome.finish_reason = msg.usage, msg.text, msg.finish_reason
-        outcome.has_tool_calls = msg.has_tool_calls
-        outcome.complete = msg.finish_reason is not None
-        return
+def observe_choices(obj: dict[str, Any], endpoint: str, outcome: Outcome) -> None:
+    """A chat, completions or embeddings answer: the first choice's text and finish reason."""
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return

@@ -56,9 +56,6 @@ async def admit(rt: "Runtime", ctx: "RequestContext") -> None:
 
 def upstream_body(ctx: "RequestContext") -> dict[str, Any]:
     """What the replica receives: no routing hints it would reject; usage always on for streams."""
-    if ctx.endpoint in ("messages", "count_tokens"):
-        # vLLM takes cache_control on /v1/messages, and its streams always end with usage.
-        return dict(ctx.body)
     body = strip_cache_control(ctx.body) if ctx.endpoint == "chat" else dict(ctx.body)
     if ctx.stream and not ctx.include_usage:
         so = body.get("stream_options")

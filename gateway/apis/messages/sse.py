@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 
 from gateway.errors import GatewayError
-from .validate import ANTHROPIC_SHAPE
+from .shape import ANTHROPIC_SHAPE
 from gateway.proxy.sse import StreamObserver, Usage, _int_or_none
 
 __all__ = ["MessagesObserver", "WholeMessage", "anthropic_usage", "whole_message"]

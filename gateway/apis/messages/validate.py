@@ -1,18 +1,9 @@
-"""Anthropic's Messages API on kvgate: what differs from the OpenAI routes, and only that.
-
-``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` run through the
-same proxy endpoint as chat (tenants, salt, hygiene, routing, relay,
-disconnects). This module holds the Anthropic side of the wire:
+"""Anthropic's Messages API: the body and header checks, and the headers that travel upstream.
 
 * ``validate_messages``: the body checks a replica would otherwise answer with
   a pydantic dump (vLLM validates ``/v1/messages`` with its own models and
   answers validation errors in OpenAI's shape), plus the ``anthropic-version``
   header. Unknown fields and block types pass through: the replica decides.
-* ``ANTHROPIC_SHAPE``: kvgate's own errors as Anthropic's
-  ``{"type": "error", "error": {"type", "message"}}``, the type chosen by the
-  status exactly as Anthropic (and vLLM's own translation) does, so the
-  ``anthropic`` SDK raises its usual classes. Mid-stream failures become an
-  ``event: error`` SSE event, which the SDK raises from its stream iterator.
 * ``upstream_headers``: ``anthropic-version`` / ``anthropic-beta`` travel on
   (vLLM ignores them today; a replica that reads them gets what the client
   said). Credentials never do: the proxy builds upstream headers from scratch.
@@ -27,62 +18,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import orjson
-
-from gateway.errors import OPENAI_SHAPE, BadRequest, ErrorShape, GatewayError
+from gateway.errors import BadRequest
 from gateway.proxy.validate import _bool_field, _int_field, _model, _num_field
 
-__all__ = ["MESSAGES_ENDPOINTS", "MESSAGES_PATHS", "ANTHROPIC_SHAPE", "AnthropicShape", "validate_messages",
-           "upstream_headers", "is_messages_path", "shape_for", "error_type"]
+__all__ = ["validate_messages", "upstream_headers"]
 
-MESSAGES_PATHS = {"messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
-MESSAGES_ENDPOINTS = frozenset(MESSAGES_PATHS)
-
-# Anthropic's error types by status (docs.anthropic.com "Errors"; vLLM 0.33's
-# anthropic/protocol.py translates its own errors with the same table).
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-          503: "overloaded_error", 529: "overloaded_error"}
 # vLLM accepts these roles on /v1/messages (system messages inline, too).
 _ROLES = frozenset({"user", "assistant", "system"})
 # A version is a date ("2023-06-01"); a beta list is comma-separated tokens.
 _VERSION = re.compile(r"[0-9A-Za-z._-]{1,32}")
 _BETA = re.compile(r"[0-9A-Za-z._\-, ]{1,512}")
-
-
-def error_type(status: int) -> str:
-    known = _TYPES.get(status)
-    if known is not None:
-        return known
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-class AnthropicShape:
-    """kvgate's errors in Anthropic's shape: the response body and the mid-stream SSE event."""
-
-    @staticmethod
-    def body(err: GatewayError) -> dict[str, Any]:
-        # No ``param`` field here: like Anthropic's own errors, the message names the location.
-        message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
-        return {"type": "error", "error": {"type": error_type(err.status), "message": message}}
-
-    def payload(self, err: GatewayError) -> bytes:
-        return orjson.dumps(self.body(err))
-
-    def event(self, err: GatewayError) -> bytes:
-        return b"event: error\ndata: " + orjson.dumps(self.body(err)) + b"\n\n"
-
-
-ANTHROPIC_SHAPE = AnthropicShape()
-
-
-def is_messages_path(path: str) -> bool:
-    """Routes under /v1/messages answer in Anthropic's shape, even the ones that do not exist."""
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def shape_for(path: str) -> ErrorShape:
-    return ANTHROPIC_SHAPE if is_messages_path(path) else OPENAI_SHAPE
 
 
 def upstream_headers(headers: dict[str, str]) -> dict[str, str]:

@@ -110,7 +110,9 @@ class _State:
 
 
 class ResponsesEndpoint(ProxyEndpoint):
-    def _validate(self, body: dict[str, Any]) -> str:
+    paths = {"responses": "/v1/responses"}
+
+    def _validate(self, body: dict[str, Any], headers: dict[str, str]) -> str:
         return validate_responses(body, max_tokens=self.rt.settings.limits.max_tokens_ceiling)
 
     def _upstream_body(self, ctx: RequestContext) -> dict[str, Any]:
