@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from policies.settings import TenantSettings
 from routing.settings import RoutingSettings
 from semantic_cache.settings import SemanticCacheSettings
 
@@ -77,27 +78,6 @@ class ReplicaSettings(_Section):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http(s) URL with a host, e.g. http://127.0.0.1:9001")
         return v.rstrip("/")
-
-
-
-class TenantSettings(_Section):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    # Tenants configured into the same namespace share KV and semantic caches.
-    namespace: str | None = None
-    models: list[str] | None = None  # allowed models; None = all
-    semantic_cache: bool = True
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    normalize_tools: bool = False
-    # With normalize_tools: also sort the tool list by function name (tool order can matter to a model).
-    sort_tools: bool = False
-    # Scan prompts for volatile content above the cache boundary; warn in x-kvgate-prefix-warning.
-    prompt_hygiene: bool = True
-
-    @property
-    def cache_namespace(self) -> str:
-        return self.namespace or self.name
 
 
 

@@ -7,6 +7,7 @@
     memo                            bounded results by input digest (a system prompt scanned once)
     window / breaker / ratelimit    requests and tokens per minute, Redis-shared, local fallback
     decision / engine               the composed policy: ``authenticate`` then ``admit``
+    settings                        the ``tenants`` section of kvgate's settings (``TenantSettings``)
 
 Constraints every module keeps: no module-level mutable state, no I/O outside
 ``tenant_store`` and ``ratelimit`` (each bounded by a deadline), and nothing

@@ -27,7 +27,7 @@ import hmac
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import anyio
 from pydantic import ValidationError
@@ -45,10 +45,8 @@ from .errors import (
 )
 from .keys import derive_hash_key, generate_key, hash_key, is_well_formed, key_id
 from .salt import cache_salt
+from .settings import TenantSettings
 from .tenant_store import Change, KeyRecord, MemoryTenantStore, Snapshot, TenantStore, apply_change
-
-if TYPE_CHECKING:
-    from gateway.settings import TenantSettings
 
 DEFAULT_TENANT = "default"
 Source = Literal["config", "runtime"]
@@ -128,21 +126,13 @@ class _Index:
         return not self.tenants
 
 
-def _settings_model() -> type[TenantSettings]:
-    # gateway.settings composes (and so imports) every package's settings; importing
-    # it on first use keeps ``policies`` importable and testable on its own.
-    from gateway.settings import TenantSettings
-
-    return TenantSettings
-
-
 def _spec(s: TenantSettings) -> dict[str, Any]:
     return s.model_dump(mode="json", exclude={"api_keys"})
 
 
 def _validate(spec: Mapping[str, Any]) -> TenantSettings:
     try:
-        return _settings_model().model_validate(dict(spec))
+        return TenantSettings.model_validate(dict(spec))
     except ValidationError as e:
         # Field names and pydantic's messages only: never input values (they may hold keys).
         msg = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'tenant'}: {err['msg']}"
@@ -235,7 +225,7 @@ class TenantRegistry:
         tenants: dict[str, Tenant] = {}
         sources: dict[str, Source] = {}
         specs: dict[str, Mapping[str, Any]] = {}
-        known = _settings_model().model_fields
+        known = TenantSettings.model_fields
         for name, raw in snap.tenants.items():
             try:
                 # Unknown fields dropped: a newer instance may write fields we do not know yet.

@@ -198,7 +198,7 @@ def test_status_table_and_the_param_in_the_message() -> None:
 
 # -- tenant policy -----------------------------------------------------------------------
 def test_tenant_policy_on_messages_salts_normalises_tools_and_reads_system_for_hygiene() -> None:
-    from gateway.settings import TenantSettings
+    from policies.settings import TenantSettings
     from policies.decision import evaluate
     from policies.tenants import tenant_from_settings
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from gateway.settings import TenantSettings
+from policies.settings import TenantSettings
 from policies.decision import PREFIX_WARNING_HEADER, evaluate
 from policies.engine import PolicyEngine
 from policies.errors import ApiKeyInQuery, InvalidApiKey, MissingApiKey

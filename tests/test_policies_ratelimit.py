@@ -8,7 +8,7 @@ import uuid
 import anyio
 import pytest
 
-from gateway.settings import TenantSettings
+from policies.settings import TenantSettings
 from policies.ratelimit import UNLIMITED, RateLimiter
 from policies.tenants import Tenant, tenant_from_settings
 from policies.window import Counter, admit, estimate, retry_after, roll, wait_s

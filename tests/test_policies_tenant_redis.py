@@ -12,7 +12,7 @@ import pytest
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
-from gateway.settings import TenantSettings
+from policies.settings import TenantSettings
 from policies.errors import InvalidApiKey, StoreUnavailable, TenantsUnavailable
 from policies.tenant_store import RedisTenantStore
 from policies.tenants import TenantRegistry

@@ -13,7 +13,7 @@ import pytest
 from pydantic import SecretStr
 
 import policies.tenants as tenants_mod
-from gateway.settings import TenantSettings
+from policies.settings import TenantSettings
 from policies.errors import (
     InvalidApiKey,
     InvalidTenantSpec,
