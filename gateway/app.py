@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .errors import BadRequest, GatewayError, NotFound, ShapeByPath
+from gateway.admin.operations import readiness
 from gateway.apis.messages.endpoint import MessagesEndpoint
 from gateway.proxy.asgi_io import Receive, Scope, Send
 from .middleware import middleware_stack
@@ -84,7 +85,7 @@ def _routes(rt: Runtime) -> list[Route]:
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        ready, body = rt.readiness()
+        ready, body = readiness(rt)
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(request: Request) -> Response:

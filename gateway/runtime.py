@@ -4,7 +4,10 @@ One object owns the HTTP client, replica pool, routing policy, metrics, tenant
 policy engine, Redis connection and semantic cache; the public and admin apps
 both read it, so nothing lives in module globals and tests can build as many
 gateways in one process as they like. Per-request stages live in
-``gateway.proxy.stages``; this module is lifecycle and operator views.
+``gateway.proxy.stages``; this module is set-up and shutdown, and what they
+need to keep the pool current (DNS, KV-event subscriptions). What an operator
+asks of a running gateway (status, readiness, purge, reload, replicas, routing)
+is ``gateway.admin.operations``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,6 @@ import httpx
 
 from policies import HygieneTracker, PolicyEngine, RateLimiter, RedisTenantStore, TenantRegistry, scan_memo
 from routing import RoutingPolicy, RoutingSettings, dns_target, make_policy, resolve
-from routing import _native as routing_native
-from routing.prefix_affinity import PrefixAffinity
-from routing.ttft_affinity import TTFTAffinity
 from routing.kv_events import KVEvents
 from routing.tokenization import Tokenization
 
@@ -29,9 +29,9 @@ from gateway.observe.endpoint_stats import EndpointStats
 from . import redis_client
 from gateway.observe.metrics import Metrics
 from .routing_sync import RoutingSync
-from gateway.proxy.pool import PoolEvents, Replica, ReplicaPool, snapshot
+from gateway.proxy.pool import PoolEvents, Replica, ReplicaPool
 from gateway.apis.responses.ids import ResponseIds, derive_id_key
-from .settings import Settings, load_settings
+from .settings import Settings
 from gateway.observe.stats import DecisionTimes, TenantStats
 from gateway.observe.tracing import Tracing
 from gateway.observe.trends import Trends
@@ -96,7 +96,7 @@ class Runtime:
                                 transport=self.transport)
         # Precise mode's truth: the replicas' KV events (routing.kv_events), when any publish them.
         self.kv_events: KVEvents | None = _make_kv_events(settings)
-        self.policy: RoutingPolicy = self._make_policy(settings.routing)
+        self.policy: RoutingPolicy = self.make_policy(settings.routing)
         # Exact token ids per model (in process or from a render server), else approximate keys.
         self.tokenization = Tokenization(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
@@ -171,16 +171,14 @@ class Runtime:
         await self.client.aclose()
         self.tracing.shutdown()
 
-    def _make_policy(self, routing: RoutingSettings) -> RoutingPolicy:
+    def make_policy(self, routing: RoutingSettings) -> RoutingPolicy:
+        """A fresh policy for ``routing`` (at start-up, and when an operator changes routing)."""
         if routing.share_index and self.settings.redis_url is None:
             # Sharing without a channel would place new keys where other instances
             # cannot follow: route as an instance that shares nothing.
             log.warning("routing.share_index needs redis_url; routing on this instance's knowledge only")
             routing = routing.model_copy(update={"share_index": False})
-        policy = make_policy(routing)
-        if isinstance(policy, (PrefixAffinity, TTFTAffinity)):
-            policy.truth = self.kv_events
-        return policy
+        return make_policy(routing, truth=self.kv_events)
 
     def sync_kv_events(self) -> None:
         """Subscribe to the KV events of every replica in the pool that publishes them; drop the rest."""
@@ -250,147 +248,3 @@ class Runtime:
             if name not in self.pool.replicas:
                 self.pool.add(name, url, source="dns")
         self.sync_kv_events()
-
-    # -- operator actions (admin API) --------------------------------------
-    def is_tenant_key(self, key: str) -> bool:
-        try:
-            return not self.engine.registry.open_mode and self.engine.registry.authenticate(key) is not None
-        except Exception:
-            return False
-
-    async def add_replica(self, name: str, url: str, *, weight: float = 1.0, models: list[str] | None = None) -> None:
-        replica = self.pool.add(name, url, weight=weight, models=models or (), source="admin")
-        await self.pool.check(replica)
-        self.sync_kv_events()
-
-    def set_routing(self, *, policy: str | None, epsilon: float | None) -> None:
-        update: dict[str, Any] = {}
-        if policy is not None:
-            update["policy"] = "prefix_affinity" if policy == "cost" else policy  # its former name
-        if epsilon is not None:
-            update["epsilon"] = epsilon
-        if update:
-            routing = self.settings.routing.model_copy(update=update)
-            self.settings = self.settings.model_copy(update={"routing": routing})
-            self.policy = self._make_policy(routing)
-
-    def routing_stats(self) -> dict[str, Any]:
-        stats = getattr(self.policy, "stats", None)
-        out: dict[str, Any] = {"policy": self.policy.name, "epsilon": self.settings.routing.epsilon,
-                               # Whether the decision runs compiled (routing._native): half the cost.
-                               "compiled": routing_native.compiled(),
-                               # prefer + observe per request, timed inside this process.
-                               "decision_cost": self.decision_times.summary()}
-        if callable(stats):
-            out.update(stats())
-        out.update(self.routing_counts)
-        if self.kv_events is not None:
-            out["kv_events"] = self.kv_events.stats()
-            if not isinstance(self.policy, (PrefixAffinity, TTFTAffinity)):
-                # Only the prefix policies read the events; say so instead of claiming precision.
-                for row in out["kv_events"]["replicas"].values():
-                    row["mode"] = "approximate"
-                out["kv_events"]["note"] = "precise mode needs routing.policy: prefix_affinity or ttft"
-        configured = [m for r in self.settings.replicas for m in r.models]
-        out["tokenization"] = self.tokenization.stats(configured + self.pool.models(healthy_only=False))
-        if self.routing_sync is not None and isinstance(out.get("shared_facts"), dict):
-            out["shared_facts"]["failing"] = self.routing_sync.failing
-        return out
-
-    def cache_stats(self) -> dict[str, Any]:
-        if self.cache is None:
-            return {"enabled": False}
-        return {"enabled": True, **self.cache.stats()}
-
-    async def purge_cache(self, *, tenant: str | None, model: str | None, older_than_s: float | None) -> int:
-        if self.cache is None:
-            return 0
-        namespace = None
-        if tenant is not None:
-            t = self.engine.registry.tenant(tenant)
-            namespace = t.namespace if t is not None else tenant
-        return await self.cache.purge(namespace=namespace, model=model, older_than_s=older_than_s)
-
-    def hygiene_report(self) -> dict[str, Any]:
-        return self.hygiene.report().to_dict()
-
-    async def reload_config(self) -> dict[str, Any]:
-        """Re-read the config file: replicas are added/removed, routing and limits replaced."""
-        from .errors import BadRequest
-        from .settings import ConfigError
-
-        if not self.config_path:
-            raise BadRequest("kvgate was started without a config file; nothing to reload", code="no_config")
-        try:
-            new = load_settings(self.config_path)
-        except ConfigError as e:
-            raise BadRequest(str(e), code="invalid_config") from None
-        old_routing = self.settings.routing
-        wanted = {r.name: r for r in new.replicas}
-        for name, r in list(self.pool.replicas.items()):
-            if r.source == "config" and name not in wanted:
-                self.pool.remove(name)
-        for name, spec in wanted.items():
-            if name not in self.pool.replicas:
-                self.pool.add(name, spec.url, weight=spec.weight, models=spec.models)
-        self.settings = self.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
-                                                         "timeouts": new.timeouts})
-        self.policy = self._make_policy(new.routing)
-        old = self.tokenization
-        if (new.routing.tokenizers, new.routing.render_url) != (old_routing.tokenizers, old_routing.render_url):
-            # Loads the new directories before the old sources go, so no request sees neither.
-            self.tokenization = await asyncio.to_thread(Tokenization(new.routing).load)
-            await old.aclose()
-        self.sync_kv_events()
-        return {"reloaded": True, "replicas": sorted(self.pool.replicas)}
-
-    def status(self) -> dict[str, Any]:
-        report = self.hygiene_report()
-        warned = {name: t["requests_with_warnings"] for name, t in report["tenants"].items()}
-        tenants = [{**row, "warnings": warned.get(row["name"], 0)} for row in self.tenant_stats.rows()]
-        replicas = snapshot(self.pool)
-        if self.kv_events is not None:
-            for row in replicas:  # precise or approximate, and why (routing.kv_events)
-                row["routing"] = self.kv_events.mode(row["name"])
-        return {"replicas": replicas, "tenants": tenants, "totals": self.tenant_stats.totals(),
-                "endpoints": self.endpoint_stats.rows(),
-                "hygiene": report, "cache": self.cache_stats(), "routing": self.routing_stats(),
-                "ready": self.readiness()[1], "workers": self.workers()}
-
-    def workers(self) -> dict[str, Any]:
-        """How many worker processes serve the port. The rest of the status is this worker's
-        own view (worker 0, which serves the admin port); /metrics sums over all of them."""
-        if self.worker is None:
-            return {"configured": 1, "running": 1, "this_worker": 0}
-        return {**self.worker.state(), "this_worker": self.worker.id}
-
-    # -- readiness ----------------------------------------------------------
-    def readiness(self) -> tuple[bool, dict[str, Any]]:
-        now = self.pool.clock()
-        configured = {m for r in self.settings.replicas for m in r.models}
-        models = configured | set(self.pool.models(healthy_only=False))
-        degraded: list[str] = []
-        unserved = sorted(m for m in models if not self.pool.eligible(m))
-        degraded += [f"model {m}: no healthy replica" for m in unserved]
-        down = [r.name for r in self.pool.replicas.values() if not r.available(now)]
-        if down:
-            degraded.append("replicas unavailable: " + ", ".join(sorted(down)))
-        if not self.pool.replicas:
-            degraded.append("no replicas configured")
-        for part, state in self.engine.readiness().items():
-            if state != "ok":
-                degraded.append(f"{part}: {state}")
-        if self.cache is not None:
-            if not self.cache.healthy:
-                degraded.append("semantic cache: store degraded, serving misses")
-            degraded += self.cache.readiness()
-        if self.routing_sync is not None and self.routing_sync.failing:
-            degraded.append("routing facts: Redis unreachable, routing on this instance's knowledge")
-        if self.kv_events is not None:
-            degraded += self.kv_events.degraded()
-        degraded += self.tokenization.degraded()
-        if self.shutting_down:
-            degraded.append("shutting down")
-        ready = (self.started and not self.shutting_down and bool(self.pool.replicas) and not unserved
-                 and bool(models))
-        return ready, {"ready": ready, "models": sorted(models), "degraded": degraded}

@@ -8,8 +8,9 @@ ties broken by the rendezvous order of its prefix key (``routing.prefix_affinity
 
 What the gateway calls:
 
-* ``make_policy(settings)`` once at start-up (one instance per process; it
-  keeps a bounded popularity estimate, block index and prefill backlog);
+* ``make_policy(settings, truth=...)`` once at start-up (one instance per
+  process; it keeps a bounded popularity estimate, block index and prefill
+  backlog), with the replicas' KV events when any publish them;
 * ``policy.prefer(RouteRequest(...), eligible)`` per request, with the body as
   the client sent it (``cache_control`` breakpoints are routing hints) and the
   ``x-kvgate-cache-boundary`` header as ``boundary_hint``;
@@ -23,6 +24,8 @@ What the gateway calls:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 # First: decides, before any compiled module is imported, whether they run compiled or from source.
 from . import _native  # noqa: F401
 from .base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy, load_now
@@ -35,20 +38,26 @@ from .round_robin import RoundRobin
 from .settings import RoutingSettings
 from .ttft_affinity import TTFTAffinity
 
+if TYPE_CHECKING:
+    from .kv_events import KVEvents
+
 __all__ = [
     "ReplicaView", "RouteFeedback", "RouteRequest", "RoutingPolicy", "RoutingSettings", "load_now",
     "make_policy", "strip_cache_control", "resolve", "dns_target",
 ]
 
 
-def make_policy(settings: RoutingSettings) -> RoutingPolicy:
-    """The configured policy; each call returns a fresh instance with its own state."""
+def make_policy(settings: RoutingSettings, truth: KVEvents | None = None) -> RoutingPolicy:
+    """The configured policy; each call returns a fresh instance with its own state.
+
+    ``truth``, the replicas' KV events, goes to the policies that route on them
+    (precise mode); they say so with a ``truth`` attribute (``routing.base.RoutingPolicy``)."""
     if settings.policy == "least_load":
         return LeastLoad()
     if settings.policy == "round_robin":
         return RoundRobin()
     if settings.policy == "consistent_hash":
         return ConsistentHash(settings)
-    if settings.policy == "ttft":
-        return TTFTAffinity(settings)
-    return PrefixAffinity(settings)
+    policy = TTFTAffinity(settings) if settings.policy == "ttft" else PrefixAffinity(settings)
+    policy.truth = truth
+    return policy

@@ -91,6 +91,10 @@ class RouteFeedback:
 
 
 class RoutingPolicy(Protocol):
+    """A routing policy. One that routes on the replicas' KV events (precise mode) also has a
+    ``truth`` attribute, the events ``make_policy`` gave it (None without any); the gateway reads
+    ``getattr(policy, "truth", None)`` to say whether routing is precise."""
+
     name: str
 
     def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:

@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.admin import operations
 from gateway.app import build_app
 from gateway.runtime import Runtime
 from gateway.settings import load_settings
@@ -90,7 +91,10 @@ class Gateway:
         return asyncio.run_coroutine_threadsafe(call(), self.server.loop).result(10)
 
     def routing(self) -> dict[str, Any]:
-        return self.on_loop(self.rt.routing_stats)  # type: ignore[no-any-return]
+        return self.on_loop(lambda: operations.routing_stats(self.rt))  # type: ignore[no-any-return]
+
+    def status(self) -> dict[str, Any]:
+        return self.on_loop(lambda: operations.status(self.rt))  # type: ignore[no-any-return]
 
     def readyz(self) -> httpx.Response:
         return httpx.get(self.server.url + "/readyz", timeout=5)
@@ -274,7 +278,7 @@ def test_token_ids_that_are_not_the_replicas_are_found_out_and_routed_approximat
             assert r["token_agreement"]["unconfirmed"] >= 16 and r["token_agreement"]["confirmed"] == 0
         ready = g.readyz()
         assert ready.status_code == 200  # still serving, only less precisely
-        assert {r["routing"] for r in g.on_loop(g.rt.status)["replicas"]} == {"approximate: token ids disagree"}
+        assert {r["routing"] for r in g.status()["replicas"]} == {"approximate: token ids disagree"}
         metrics = httpx.get(g.server.url + "/metrics", timeout=5).text
         for sim in fleet:
             assert f'kvgate_kv_events_precise{{replica="{sim.name}"}} 0.0' in metrics
@@ -284,7 +288,7 @@ def test_token_ids_that_are_not_the_replicas_are_found_out_and_routed_approximat
         n = iter(range(10_000))
         wait(lambda: g.send(token_prompt(500 + next(n), 3)) and all_precise(g), timeout=30)
         assert all(r["token_agreement"]["confirmed"] >= 1 for r in rows().values())
-        assert {r["routing"] for r in g.on_loop(g.rt.status)["replicas"]} == {"precise"}  # the status page's column
+        assert {r["routing"] for r in g.status()["replicas"]} == {"precise"}  # the status page's column
         assert not any("are not the replica's" in d for d in g.readyz().json()["degraded"])
     finally:
         g.stop()

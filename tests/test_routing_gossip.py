@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.routing_sim import SimView as View
+from gateway.admin import operations
 from gateway.app import build_app
 from gateway.settings import load_settings
 from routing import RouteFeedback, RouteRequest, RoutingSettings
@@ -163,7 +164,7 @@ def test_two_kvgates_sharing_redis_send_each_turn_where_the_first_went(redis_kin
             assert _wait(lambda: a.gossip.published + len(a.gossip) <= b.gossip.applied)
             # Without the facts, about a quarter of these would go to their first choice, r1.
             assert _ask(two, i, 2) == went
-        stats = stack.runtime.routing_stats()["shared_facts"]
+        stats = operations.routing_stats(stack.runtime)["shared_facts"]
         assert stats["published"] >= 3 and stats["failing"] is False
     finally:
         second.stop()
@@ -180,7 +181,7 @@ def test_a_redis_outage_costs_the_sharing_not_the_serving(private_redis: Private
         assert replicas <= {"r1", "r2"} and _ask(client, 1, 2) in replicas
         sync = stack.runtime.routing_sync
         assert sync is not None and _wait(lambda: sync.failing)
-        assert stack.runtime.routing_stats()["shared_facts"]["failing"] is True
+        assert operations.routing_stats(stack.runtime)["shared_facts"]["failing"] is True
         ready = httpx.get(stack.url + "/readyz", timeout=5)
         assert ready.status_code == 200 and any("routing facts" in d for d in ready.json()["degraded"])
     finally:

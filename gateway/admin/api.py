@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from . import operations
 from .bodies import Body as _Body
 from .openapi import openapi_document
 from .tenants import tenant_routes
@@ -106,7 +107,7 @@ def _authorize(rt: Runtime, headers: Headers) -> None:
     bearer, presented = _presented(headers)
     if bearer and hmac.compare_digest(bearer.encode(), token.get_secret_value().encode()):
         return
-    if any(rt.is_tenant_key(key) for key in presented):
+    if any(operations.is_tenant_key(rt, key) for key in presented):
         raise Forbidden("tenant keys cannot use the admin API")
     raise Unauthorized("missing or invalid admin token", code="invalid_admin_token")
 
@@ -139,7 +140,7 @@ def _routes(rt: Runtime) -> list[Route]:
             err = BadRequest(f"replica {body.name!r} already exists", param="name", code="conflict")
             err.status = 409
             raise err
-        await rt.add_replica(body.name, body.url, weight=body.weight, models=body.models)
+        await operations.add_replica(rt, body.name, body.url, weight=body.weight, models=body.models)
         return JSONResponse(_replica_row(rt, body.name), status_code=201)
 
     def _named(request: Request) -> str:
@@ -165,32 +166,32 @@ def _routes(rt: Runtime) -> list[Route]:
         return Response(status_code=204)
 
     async def routing(request: Request) -> Response:
-        return JSONResponse(rt.routing_stats())
+        return JSONResponse(operations.routing_stats(rt))
 
     async def set_routing(request: Request) -> Response:
         body = await _json(request, RoutingIn)
-        rt.set_routing(policy=body.policy, epsilon=body.epsilon)
-        return JSONResponse(rt.routing_stats())
+        operations.set_routing(rt, policy=body.policy, epsilon=body.epsilon)
+        return JSONResponse(operations.routing_stats(rt))
 
     async def explain_route(request: Request) -> Response:
         return JSONResponse(await explain(rt, await _json(request, ExplainIn)))
 
     async def cache(request: Request) -> Response:
-        return JSONResponse(rt.cache_stats())
+        return JSONResponse(operations.cache_stats(rt))
 
     async def purge(request: Request) -> Response:
         body = await _json(request, PurgeIn)
-        removed = await rt.purge_cache(tenant=body.tenant, model=body.model, older_than_s=body.older_than_s)
+        removed = await operations.purge_cache(rt, tenant=body.tenant, model=body.model, older_than_s=body.older_than_s)
         return JSONResponse({"removed": removed})
 
     async def hygiene(request: Request) -> Response:
-        return JSONResponse(rt.hygiene_report())
+        return JSONResponse(operations.hygiene_report(rt))
 
     async def reload(request: Request) -> Response:
-        return JSONResponse(await rt.reload_config())
+        return JSONResponse(await operations.reload_config(rt))
 
     async def status(request: Request) -> Response:
-        return JSONResponse(rt.status())
+        return JSONResponse(operations.status(rt))
 
     async def trends(request: Request) -> Response:
         return JSONResponse(rt.trends.to_dict())
