@@ -55,7 +55,6 @@ COPY routing ./routing
 COPY semantic_cache ./semantic_cache
 COPY policies ./policies
 COPY vllm_sim ./vllm_sim
-COPY bench ./bench
 #    Then once more with mypyc, which compiles the routing decision's modules (setup.py,
 #    routing/_native.py) type-checked against the dependencies now installed; the image must
 #    run them compiled (about half the routing cost), and mypy itself is not shipped.
