@@ -1,4 +1,8 @@
-"""The ``kvgate`` command: serve, demo, sim, tokenizer, check."""
+"""The ``kvgate`` command: serve, demo, sim, tokenizer, check.
+
+Each command imports what it runs when it runs: the simulator (``vllm_sim``) only
+for ``demo`` and ``sim``, whose own options ``vllm_sim.cli`` parses.
+"""
 
 from __future__ import annotations
 
@@ -86,9 +90,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from vllm_sim.cli import run
+    from vllm_sim.cli import add_arguments, run
 
-    return run(args) or 0
+    parser = argparse.ArgumentParser(prog="kvgate sim", description="one simulated vLLM replica")
+    add_arguments(parser)
+    return run(parser.parse_args(args.sim_args)) or 0
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
@@ -155,16 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", "-c", help="YAML config file (or KVGATE_CONFIG)")
     check.add_argument("--timeout", type=float, default=5.0, help="seconds per replica request")
     check.set_defaults(func=_check)
-    sim = sub.add_parser("sim", help="one simulated vLLM replica")
-    from vllm_sim.cli import add_arguments
-
-    add_arguments(sim)
+    # Its options (and --help) pass through to the simulator's own parser (``_sim``).
+    sim = sub.add_parser("sim", help="one simulated vLLM replica (kvgate sim --help for its options)",
+                         add_help=False)
     sim.set_defaults(func=_sim)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "sim":
+        args.sim_args = rest
+    elif rest:
+        parser.error("unrecognized arguments: " + " ".join(rest))
     return int(args.func(args) or 0)
 
 

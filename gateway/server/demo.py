@@ -19,10 +19,6 @@ import socket
 import sys
 from typing import Any
 
-from vllm_sim.config import SimConfig
-from vllm_sim.server import build_app as build_sim
-from vllm_sim.timing import TimingModel
-
 from gateway.observe import logs
 from gateway.app import build_app
 from .serve import make_server, run_servers
@@ -108,6 +104,11 @@ def _banner(port: int, admin_port: int | None, replicas: list[tuple[str, int]], 
 
 async def run_demo(port: int = PUBLIC_PORT, replicas: int = 3, time_scale: float = 0.2,
                    semantic_cache: bool = True, admin_port: int = ADMIN_PORT, precise: bool = False) -> int:
+    # The simulator is imported by the commands that run it, never with the gateway.
+    from vllm_sim.config import SimConfig
+    from vllm_sim.server import build_app as build_sim
+    from vllm_sim.timing import TimingModel
+
     logs.configure("warning")
     notes: list[str] = []
     port = pick_port(port, "kvgate", notes)
