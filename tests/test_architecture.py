@@ -114,7 +114,7 @@ def test_the_hot_path_serves_no_other_protocol() -> None:
         assert not reaches, f"{name} imports {reaches}"
     source = MODULES["gateway.proxy.endpoint"][0].read_text().lower()
     for word in ("anthropic", "messages", "count_tokens", "/v1/responses"):
-        assert word not in source, f"gateway/proxy/endpoint.py names {word!r}: a protocol branch belongs in gateway/apis"
+        assert word not in source, f"gateway/proxy/endpoint.py names {word!r}: that branch belongs in gateway/apis"
     for name in ("gateway.middleware", "gateway.proxy.relay"):
         assert not any(m.startswith("gateway.apis") for m in _imports(name, lazy=True)), name
 
