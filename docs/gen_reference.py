@@ -2,7 +2,8 @@
 
 - ``config.md``: every settings key, walked recursively from the ``Settings`` model (dotted keys,
   ``[]`` for list items), with its type, constraints, default and description. The description is
-  the field's ``description`` if it has one, else the comment the code keeps above (or beside) it.
+  the field's ``description`` if it has one, else the comment the code keeps above (or beside) it,
+  else the comment above the run of fields (no blank line between) that it belongs to.
 - ``metrics.md``: every metric family the gateway's Prometheus registry exposes: name, type,
   labels, help.
 - ``admin-api.md``: every admin route from the admin OpenAPI document, and its body schemas.
@@ -189,16 +190,26 @@ def _comments(cls: type) -> dict[str, str]:
     body = ast.parse(source).body[0]
     assert isinstance(body, ast.ClassDef)
     found = {}
+    group: list[str] = []  # the comment above a run of fields with no blank line between them
+    last_row = 0
     for node in body.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            last_row = 0
             continue
         above: list[str] = []
         row = node.lineno - 1  # the line before, 1-based
         while row >= 1 and lines[row - 1].lstrip().startswith("#"):
             above.insert(0, lines[row - 1].lstrip().lstrip("#").strip())
             row -= 1
+        if above:
+            group = above
+        elif row != last_row:  # a blank line or other code since the last field: the run ended
+            group = []
         inline = [beside[r] for r in range(node.lineno, (node.end_lineno or node.lineno) + 1) if r in beside]
-        found[node.target.id] = " ".join(above + inline)
+        found[node.target.id] = " ".join(above + inline if above or inline else group)
+        last_row = node.end_lineno or node.lineno
+        if inline and not above:  # a field described beside itself is not one of a group
+            group = []
     return found
 
 
