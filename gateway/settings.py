@@ -33,14 +33,18 @@ class _Section(BaseModel):
 
 
 class ListenSettings(_Section):
+    # The public listener (the /v1 routes, health, readiness, metrics).
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
 
 
 class AdminSettings(_Section):
+    # The admin listener (admin API and status page); keep it on a private interface.
     host: str = "127.0.0.1"
     port: int = Field(8081, ge=0, le=65535)
+    # The bearer token every admin request must carry.
     token: SecretStr | None = None
+    # Off: no admin listener.
     enabled: bool = True
     # The status page's trend lines: one sample per interval, the last N kept (10 s x 90 = 15 min).
     trend_interval_s: float = Field(10.0, gt=0, le=3600)
@@ -48,10 +52,13 @@ class AdminSettings(_Section):
 
 
 class ReplicaSettings(_Section):
+    # The replica's name in routing, metrics and the admin API; unique.
     name: str = Field(min_length=1, max_length=64)
+    # The replica's base URL (http or https, with a host).
     url: str
     # Discovered from the replica's /v1/models when empty.
     models: list[str] = Field(default_factory=list)
+    # Relative weight in routing (rendezvous hashing is weighted).
     weight: float = Field(1.0, gt=0)
     # Sent as a bearer token to a replica started with --api-key; never logged.
     api_key: SecretStr | None = None
@@ -82,13 +89,18 @@ class ReplicaSettings(_Section):
 
 
 class LimitSettings(_Section):
+    # Largest request body accepted (413 beyond it), multipart uploads included.
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    # Deepest JSON nesting accepted in a body (400 beyond it).
     max_json_depth: int = Field(64, ge=4, le=1000)
+    # Largest n (choices per request) accepted.
     max_n: int = Field(16, ge=1)
+    # Largest max_tokens (and max_completion_tokens) accepted.
     max_tokens_ceiling: int = Field(1_000_000, ge=1)
 
 
 class TimeoutSettings(_Section):
+    # Connecting to a replica.
     connect_s: float = Field(2.0, gt=0)
     # No response headers / first byte from the replica within this: 504.
     first_byte_s: float = Field(120.0, gt=0)
@@ -103,13 +115,19 @@ class TimeoutSettings(_Section):
 
 
 class PoolSettings(_Section):
+    # How often each replica's health is checked.
     health_interval_s: float = Field(2.0, gt=0)
+    # How often each replica's /metrics is scraped (load, KV usage, prefix-cache counters).
     metrics_interval_s: float = Field(1.0, gt=0)
+    # Failures in a row that eject a replica from routing.
     eject_consecutive_failures: int = Field(5, ge=1)
+    # An ejection lasts eject_base_s times the replica's ejections so far, at most eject_max_s.
     eject_base_s: float = Field(30.0, gt=0)
     eject_max_s: float = Field(300.0, gt=0)
+    # Retry budget, as Envoy's: retries in flight at most max(retry_budget_min, ratio x active requests).
     retry_budget_ratio: float = Field(0.2, ge=0, le=1)
     retry_budget_min: int = Field(3, ge=0)
+    # Replicas tried per request, the first included.
     max_attempts: int = Field(3, ge=1, le=10)
     # Connections kept per replica by the shared HTTP client.
     max_connections: int = Field(1024, ge=1)
@@ -122,6 +140,7 @@ class Settings(_Section):
     # rediss://, unix://) is one server; redis+cluster://host:port (rediss+cluster:// for TLS)
     # is a Redis Cluster, any node as the seed. See gateway/redis_client.py. Unset: per process.
     redis_url: SecretStr | None = None
+    # Connect and read timeout of the Redis client (rate limits, runtime tenants, the cache's store).
     redis_timeout_s: float = Field(0.25, gt=0)
     replicas: list[ReplicaSettings] = Field(default_factory=list)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
@@ -135,9 +154,11 @@ class Settings(_Section):
     # Keys the replica tag in the Responses ids kvgate returns (gateway/apis/responses/ids.py). Unset:
     # derived from server_secret. Every instance of a fleet needs the same value.
     response_id_secret: SecretStr | None = None
+    # Level of the JSON logs.
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Prompt text in logs only when this is explicitly on.
     log_prompts: bool = False
+    # OTLP/HTTP endpoint to export one trace span per request to. Unset: no tracing.
     otlp_endpoint: str | None = None
     # On SIGTERM: /readyz turns 503 at once; new requests are still served for
     # shutdown_delay_s (load balancers need that long to notice), then the

@@ -17,6 +17,7 @@ class _Section(BaseModel):
 
 
 class SemanticCacheSettings(_Section):
+    # The semantic cache (both tiers) on or off.
     enabled: bool = False
     # Similarity search on top of the exact tier (off: exact repeats only).
     semantic_enabled: bool = True
@@ -31,12 +32,17 @@ class SemanticCacheSettings(_Section):
     semantic_max_chars: int = Field(400, ge=1)
     # Raw completion prompts continue text byte for byte: exact tier only unless set.
     semantic_completions: bool = False
+    # How long an entry lives.
     ttl_s: int = Field(86_400, ge=1)
+    # Entries kept per tenant namespace.
     max_entries_per_namespace: int = Field(100_000, ge=10)
     # Answers bigger than this are not worth a Redis round trip to replay.
     max_answer_chars: int = Field(200_000, ge=1)
+    # Store answers that call tools (off: never cached).
     cache_tool_calls: bool = False
+    # local: the MiniLM model in process; remote: embedding_url; hash: meaning-free hashed words, for tests of plumbing.
     embedder: Literal["local", "remote", "hash"] = "local"
+    # The local embedder's model.
     embedding_model: str = "all-MiniLM-L6-v2"
     # For the remote embedder: an OpenAI-compatible /v1/embeddings endpoint (full URL).
     embedding_url: str | None = None
@@ -77,12 +83,15 @@ class SemanticCacheSettings(_Section):
     # the breaker (a refused connection opens it at once).
     redis_max_connections: int = Field(32, ge=1)
     breaker_failures: int = Field(3, ge=1)
+    # A full resynchronisation of the in-memory index with Redis this often (besides start-up and each outage).
     resync_interval_s: float = Field(60.0, gt=0)
+    # Longest wait of one read of the change-log stream.
     sync_block_ms: int = Field(500, ge=10, le=10_000)
     # The change-log tail reads at most this often: each read is a socket write on the
     # event loop, and every write (this instance's own too) would otherwise trigger one.
     # Other instances still see an entry within about this plus one fetch (< 1 s).
     sync_interval_ms: int = Field(100, ge=0, le=900)
+    # Length the change-log stream is capped at.
     stream_maxlen: int = Field(100_000, ge=100)
 
 
