@@ -50,9 +50,9 @@ def sources() -> dict[str, Any]:
     """
     import httpx
 
-    from gateway.admin_openapi import openapi_document
-    from gateway.metrics import Metrics
-    from gateway.pool import ReplicaPool
+    from gateway.admin.openapi import openapi_document
+    from gateway.observe.metrics import Metrics
+    from gateway.proxy.pool import ReplicaPool
     from gateway.settings import PoolSettings, Settings
     from routing.kv_events import KVEvents
 
@@ -218,7 +218,7 @@ def _comments(cls: type) -> dict[str, str]:
 def metrics_reference(registry: Any) -> str:
     out = [_HEADER, "# Metrics reference\n\n",
            "Every metric family on `GET /metrics`, from the Prometheus registry the gateway builds "
-           "(`gateway/metrics.py`). A counter is exposed with the suffix `_total`; a histogram as "
+           "(`gateway/observe/metrics.py`). A counter is exposed with the suffix `_total`; a histogram as "
            "`_bucket`, `_sum` and `_count`. How to read them, and the alerts built on them: "
            "[operations](../operations.md).\n\n",
            "| metric | type | labels | help |\n|---|---|---|---|\n"]

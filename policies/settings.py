@@ -13,7 +13,9 @@ class _Section(BaseModel):
 
 
 class TenantSettings(_Section):
+    # The tenant's name: its label in metrics, logs and the admin API, and its cache namespace by default.
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    # Bearer keys that identify the tenant (kept hashed in memory, never logged).
     api_keys: list[SecretStr] = Field(default_factory=list)
     # Tenants configured into the same namespace share KV and semantic caches.
     namespace: str | None = None
