@@ -7,7 +7,7 @@ replica one question, in seconds (NVIDIA Dynamo's KV router asks it in
 blocks):
 
     ttft(r) = ahead(r) + uncached(r) / rate(r)
-    cost(r) = ttft(r) + astray(r) + refill(r)
+    cost(r) = ttft(r) + astray(r) + excess(r) + refill(r)
 
 * ``rate(r)``: the prompt tokens ``r`` computes per second of prefill, learned
   from what it reports (``routing.rates``), scaled by what the replies show:
@@ -36,10 +36,24 @@ blocks):
 * ``astray(r)``: only for a key no replica is known to hold, placed away from
   its home: the others' share of the traffic times the prompt's prefill. Other
   instances will send its next request home, which then prefills it all again.
+* ``excess(r)``: the tokens ``r`` would compute beyond the fewest any replica
+  would, at ``rate(r)``, times ``busy``, the share of replicas with a wait
+  ahead. Those tokens delay whoever queues behind them, and ``busy`` is the
+  chance that someone does: nothing on an idle fleet, all of it on a full one.
+  Without it the least ``ttft`` sends a warm request to an idle cold replica
+  as soon as its home has one cold prefill queued; each such move adds a whole
+  prefill to a fleet with little to spare, and on a full fleet, with several
+  instances, that fed on itself until the queues held every replica (the
+  benchmark page: ``shared_prefix`` on four instances fell to .32).
 * ``refill(r)``: the blocks ``r``'s pool must evict for this request's new
   ones, times the share of evicted blocks that requests bring back
   (``routing.pool_model``'s ghosts): the prefill its evictions cost the fleet
   later. Zero where pools do not evict, or what they evict never returns.
+  Each instance models its own part of every pool: the pool's size times the
+  part of the replicas' queues that is its own (``1 - share``), since the
+  other instances' requests take the rest of the same LRU. Modelled at the
+  whole size, an instance of four believed warm what the others' traffic had
+  evicted (half of what it believed, on ``shared_prefix``).
 
 **The pick.** The least cost; of replicas within the prediction's error of it
 (the mean gap between predicted and observed time to first token over the
@@ -49,11 +63,16 @@ the key's rendezvous order.
 
 **The rail** refuses a replica whatever its cost (it goes to the back, so
 retries still have somewhere to go): *wait*, a replica whose wait ahead
-exceeds the least wait ahead in the fleet by more than this request's whole
-prefill there. No warm prefix can save more than its whole prefill, so a
-queue past that is a hot spot, not affinity. With exact figures the least
-``ttft`` never breaks it; it binds where the tie band, stale reports or other
-instances would. What each instance guarantees is over its own view. A second
+exceeds the least wait ahead in the fleet by more than ``(1 + busy)`` times
+this request's whole prefill there, plus the prediction's error. No warm
+prefix can save more than its whole prefill and the excess it spares the
+fleet, so a queue past that is a hot spot, not affinity. The least cost
+never breaks it, nor does the error band: it binds where figures are stale or
+other instances' requests arrive between scrapes. What each instance
+guarantees is over its own view (``Terms.bound``). The rail without ``busy``
+and the error (one whole prefill) refused the warm replica at every short
+queue and sent its request cold: with ``excess``, that collapsed
+``shared_prefix`` on one instance (.66, 4.5 s p95). A second
 rail, refusing replicas whose free KV (``kv_cache_usage_perc``) could not
 take the request, was built and measured: it moved cold work into full pools
 under pressure and collapsed a KV-bound fleet (the benchmark page), so it is
@@ -114,10 +133,12 @@ class Terms(NamedTuple):
     uncached: float  # prompt tokens it would compute
     ahead: float  # prefill queued ahead
     astray: float  # a known-nowhere key placed away from home: its next request's refill
+    excess: float  # tokens beyond the fewest any replica would compute, priced by the busy share
     refill: float  # the prefill its evictions cost the fleet later (pools under pressure)
     ttft: float  # the predicted time to first token: ahead + uncached / rate
-    cost: float  # what the pick minimises: ttft + astray + refill
-    rail: str | None  # "wait" or None
+    cost: float  # what the pick minimises: ttft + astray + excess + refill
+    bound: float  # the wait ahead the rail allows here
+    rail: str | None  # "wait" (ahead > bound) or None
 
 
 class _Mean:
@@ -155,6 +176,9 @@ class TTFTAffinity:
         # The key orders ties and names the home that instances sharing nothing agree on. Cut
         # at message ends and explicit boundaries only (a flat prompt, which has none, at
         # sampled positions: routing.keys): the index finds layers inside a message anyway.
+        # (Cut inside messages too, an organisation's layers share a home and four instances
+        # keep one's reuse on orgs_layered, but one instance lost its tail on the generated
+        # suite: docs/benchmarks/routing-ttft.md.)
         self.keyer = PrefixKeyer(self.settings, layers_inside_messages=False)
         self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks, tails=True)
         self.pools = PoolModel()
@@ -165,6 +189,7 @@ class TTFTAffinity:
         # Learned from the replies: the uncached prompt of a request (what another client's
         # waiting request is taken to weigh), and how far predictions missed (seconds).
         self.work = _Mean()
+        self._others_share = 0.0
         self.error = _Mean()
         # The replicas' rates say how fast each is against the others; the times to first
         # token they answer say how fast prefill is felt: a request prefilled in a batch is
@@ -273,7 +298,9 @@ class TTFTAffinity:
             at = self.index.positions(len(info.hashes))
             entries = [route.key] + [info.hashes[p] for p in at]
             weights = [0] + [p - (at[i - 1] if i else -1) for i, p in enumerate(at)]
-            capacity = int(size * CHARS_PER_TOKEN / info.block)
+            # Other instances' requests take their share of the same LRU: this instance's
+            # blocks live in what is left of it.
+            capacity = int(size * (1.0 - self._others_share) * CHARS_PER_TOKEN / info.block)
             evicted = self.pools.touch(bit, entries, weights, capacity)
             if evicted:
                 self.index.forget(evicted, bit)
@@ -287,6 +314,8 @@ class TTFTAffinity:
         order = self._orders.order(route.key, replicas)
         n = len(order)
         waiting, share = _others(order)
+        if learn:
+            self._others_share = share
         scale = self._scale()
         rates = [x / scale if x is not None else None for x in _rates(order)]
         keys = self._keys(request)
@@ -298,7 +327,7 @@ class TTFTAffinity:
         learned = self.work.get(-1.0)
         each = [learned if learned >= 0 else u for u in uncached]
         queued = self.backlog.queued([r.name for r in order], rates)
-        ahead, own, ttft, cost, refill = [], [], [], [], []
+        ahead, own, ttft, refill = [], [], [], []
         astray = prompt_tokens * share if share and not self.index.holders(route.key) and not any(
             precise.values()) else 0.0
         # Evicting a block costs the fleet the share of evicted blocks that come back
@@ -317,14 +346,19 @@ class TTFTAffinity:
             bit = self.bits.get(r.name)
             evicts = self.pools.overflow(bit, uncached[i] / per_block) if back and bit is not None else 0.0
             refill.append(evicts * per_block * back / rate)
-            cost.append(ttft[-1] + (astray / rate if i else 0.0) + refill[-1])
-        # The rail (module doc): a queue past the least by more than this whole prefill.
-        least_ahead = min(ahead)
-        rails: list[str | None] = []
-        for i in range(n):
-            rails.append("wait" if ahead[i] > least_ahead + prompt_tokens / (rates[i] or 1.0) else None)
+        # Tokens computed beyond the fewest delay whoever queues behind them (module doc).
+        busy = sum(1 for a in ahead if a > 0) / n
+        least_uncached = min(uncached)
+        excess = [(u - least_uncached) / (rates[i] or 1.0) * busy for i, u in enumerate(uncached)]
+        strays = [astray / (rates[i] or 1.0) if i else 0.0 for i in range(n)]
+        cost = [ttft[i] + strays[i] + excess[i] + refill[i] for i in range(n)]
         # The pick: least cost; within the prediction's error of it, fewest tokens computed.
         band = self.error.get(0.0) if rates[0] is not None else 0.0
+        # The rail (module doc): a queue past the least by more than this whole prefill and the
+        # excess it would spare, beyond the prediction's error.
+        least_ahead = min(ahead)
+        bounds = [least_ahead + (1.0 + busy) * prompt_tokens / (rates[i] or 1.0) + band for i in range(n)]
+        rails: list[str | None] = ["wait" if ahead[i] > bounds[i] else None for i in range(n)]
         fits = [i for i in range(n) if rails[i] is None]
         if fits:
             best = min(cost[i] for i in fits)
@@ -336,8 +370,8 @@ class TTFTAffinity:
         picks += sorted((i for i in range(n) if rails[i] is not None), key=lambda i: (cost[i], i))
         terms: list[Terms] = []
         if explain:
-            terms = [Terms(r.name, rates[i], held[i], sources[i], uncached[i], ahead[i],
-                           cost[i] - ttft[i] - refill[i], refill[i], ttft[i], cost[i], rails[i])
+            terms = [Terms(r.name, rates[i], held[i], sources[i], uncached[i], ahead[i], strays[i], excess[i],
+                           refill[i], ttft[i], cost[i], bounds[i], rails[i])
                      for i, r in enumerate(order)]
         if learn:
             if any(rails) and rails[min(range(n), key=lambda i: (cost[i], i))] is not None:

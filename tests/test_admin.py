@@ -195,7 +195,7 @@ def test_explain_returns_the_terms_that_decided(stack: Stack, admin: httpx.Clien
     assert all({"cost", "uncached", "held", "rail"} <= set(row) for row in rows)
     if policy == "ttft":  # its terms in seconds, the source of the belief named
         assert rows[0]["source"] in ("index", "key")
-        assert all({"ttft", "ahead", "astray", "refill", "rate"} <= set(row) for row in rows)
+        assert all({"ttft", "ahead", "astray", "excess", "refill", "bound", "rate"} <= set(row) for row in rows)
         assert all(row["cost"] >= row["ttft"] >= row["ahead"] for row in rows)
     # Nothing was learned, and the same question gives the same answer.
     assert admin.get("/admin/routing").json()["decisions"] == decisions

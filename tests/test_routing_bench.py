@@ -131,9 +131,15 @@ def test_the_tuning_set_has_one_organisation_layered_workload_of_its_own() -> No
 def test_a_replica_at_half_speed_learns_half_the_rate_and_ttft_gives_it_less_cold_work() -> None:
     from bench.routing_speeds import run
 
-    rows = run("heavy4-closed8", 1, 0.5, ("round_robin", "ttft"), 300)
-    table = {line.split()[0]: line.split() for line in rows[2:]}
+    def table(family: str) -> dict[str, list[str]]:
+        rows = run(family, 1, 0.5, ("round_robin", "ttft"), 300)
+        return {line.split()[0]: line.split() for line in rows[2:]}
+
+    heavy = table("heavy4-closed8")  # short queues: the rate a replica reports is its speed
     for name in ("round_robin", "ttft"):
-        assert 0.4 < float(table[name][3]) < 0.6  # r0 reports about half the others' rate
-    # Round robin gives r0 its share of the prompt tokens; ttft, knowing its rate, much less.
-    assert float(table["round_robin"][4]) > 0.8 and float(table["ttft"][4]) < 0.5
+        assert 0.4 < float(heavy[name][3]) < 0.6  # r0 reports about half the others' rate
+    # On organisation-layered traffic round robin gives r0 its share of the prompt tokens;
+    # ttft, knowing its rate, much less. (On the heavy organisations r0 is the home of one,
+    # and ttft keeps its warm requests there: docs/benchmarks/routing-ttft.md.)
+    layered = table("layered-8orgs-closed8")
+    assert float(layered["round_robin"][4]) > 0.9 and float(layered["ttft"][4]) < 0.65

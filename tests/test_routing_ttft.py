@@ -21,7 +21,8 @@ def test_the_rail_holds_at_every_decision_under_seeded_concurrent_load() -> None
     # Hot organisations and one-off prompts, replicas of two speeds with pools under
     # pressure, clients that hold requests for random times. At every decision the pick
     # explain() shows is the one prefer() makes, and it keeps the rail: its wait ahead is
-    # within the least wait ahead plus this request's whole prefill there.
+    # within the least wait ahead plus (1 + busy) times this request's whole prefill there,
+    # plus the learned error.
     for seed in (1, 2, 3):
         rng = random.Random(seed)
         clock = Clock()
@@ -54,15 +55,21 @@ def test_the_rail_holds_at_every_decision_under_seeded_concurrent_load() -> None
             least = min(t.ahead for t in terms)
             refused += sum(t.rail == "wait" for t in terms)
             assert pick.rail is None
-            assert pick.ahead <= least + (pick.held + pick.uncached) / pick.rate + 1e-9, (seed, step)
+            busy = sum(t.ahead > 0 for t in terms) / len(terms)
+            band = policy.error.get(0.0)
+            for t in terms:  # the bound each replica was held to, recomputed from the terms
+                assert abs(t.bound - (least + (1 + busy) * (t.held + t.uncached) / t.rate + band)) < 1e-6
+                assert (t.rail == "wait") == (t.ahead > t.bound), (seed, step)
+            assert pick.ahead <= pick.bound + 1e-9, (seed, step)
             # Of the replicas that keep the rails, the pick is within the learned error of the
             # least cost, and computes the fewest tokens among those; the cost adds to the
             # predicted time to first token only what the pick's terms name.
             fit = [t for t in terms if t.rail is None]
-            band = policy.error.get(0.0)
             assert pick.cost <= min(t.cost for t in fit) + band + 1e-9
             assert pick.uncached <= min(t.uncached for t in fit if t.cost <= min(x.cost for x in fit) + band)
-            assert all(abs(t.cost - t.ttft - t.astray - t.refill) < 1e-9 for t in terms)
+            assert all(abs(t.cost - t.ttft - t.astray - t.excess - t.refill) < 1e-9 for t in terms)
+            fewest = min(t.uncached for t in terms)  # excess: tokens beyond the fewest, priced by busy
+            assert all(abs(t.excess - (t.uncached - fewest) / t.rate * busy) < 1e-9 for t in terms)
             chosen.in_flight += 1
             held.append((request, chosen))
         for _request, replica in held:
@@ -179,3 +186,25 @@ def test_decisions_the_rail_made_against_the_formula_are_counted() -> None:
     samples = {s.name: s.value for family in _PolicyCollector(lambda: policy).collect() for s in family.samples}
     counted = policy.stats()["bound_overrides"]
     assert samples["kvgate_routing_bound_overrides_total"] == policy.bound_overrides == counted
+
+
+def test_tokens_beyond_the_fewest_cost_more_the_busier_the_fleet() -> None:
+    # A warm twin whose home has two cold prefills queued: on an idle fleet it starts sooner
+    # cold elsewhere, and goes; when every replica has a queue, the whole prefill it would add
+    # delays whoever waits behind it, and it stays home.
+    clock = Clock()
+    policy, replicas = TTFTAffinity(RoutingSettings(), clock), rated(4)
+    home = served(policy, twin(3, 1), replicas)
+    clock.t = 100.0  # everything drained
+    prompt = (lambda t: t.held + t.uncached)(policy.explain(twin(3, 2), replicas)[0])
+    policy.backlog.add(home.name, prompt * 2, 1000.0)
+    idle = {t.replica: t for t in policy.explain(twin(3, 2), replicas)}
+    assert all(t.excess == 0 for n, t in idle.items() if n == home.name)
+    assert policy.peek(twin(3, 2), replicas)[0] is not home
+    for r in replicas:
+        if r is not home:
+            policy.backlog.add(r.name, prompt * 0.5, 1000.0)
+    full = {t.replica: t for t in policy.explain(twin(3, 2), replicas)}
+    cold = [t for n, t in full.items() if n != home.name]
+    assert all(t.excess > idle[t.replica].excess > 0 for t in cold)
+    assert policy.peek(twin(3, 2), replicas)[0] is home
