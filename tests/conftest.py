@@ -1,8 +1,9 @@
-"""Shared fixtures: anyio on asyncio, a real Redis (REDIS_URL or a private one), a Redis Cluster."""
+"""Shared fixtures: anyio on asyncio, a real Redis (REDIS_URL or a private one), a Redis Cluster, vLLM."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -19,6 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tests.support.redis_cluster import PrivateRedisCluster  # noqa: E402
 from tests.support.redis_server import PrivateRedis, redis_url_from_env  # noqa: E402
+from tests.support.vllm_env import RenderServer, VllmWorker, need_vllm, render_server  # noqa: E402
 
 
 @pytest.fixture
@@ -59,3 +61,29 @@ def redis_cluster() -> Iterator[PrivateRedisCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_worker() -> Iterator[VllmWorker]:
+    """vLLM's own Python, shared by every parity test (skips where vLLM is missing)."""
+    worker = VllmWorker(need_vllm())
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tokenizer directory (built from the MiniLM package) the render server and the parity tests use."""
+    need_vllm()
+    from vllm_sim.tokenizer_dir import build_tokenizer_dir
+
+    return build_tokenizer_dir(tmp_path_factory.mktemp("vllm-parity") / "model")
+
+
+@pytest.fixture(scope="session")
+def vllm_render(vllm_tokdir: Path) -> Iterator[RenderServer]:
+    """vLLM's render server on ``vllm_tokdir``, serving the model ``parity-model``, for the whole run."""
+    with render_server(vllm_tokdir, model="parity-model") as server:
+        yield server

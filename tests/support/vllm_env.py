@@ -1,30 +1,125 @@
-"""vLLM itself, for the parity tests: ``need_vllm()`` skips a test, saying why, where it is missing.
+"""vLLM itself, for the parity tests: one vLLM interpreter and one render server per test run.
 
-The venv and the render server are driven by ``bench.vllm_render`` (benchmarks
-use them too); this module adds only the pytest side.
+Each vLLM process costs 10-25 s of imports on a loaded 2-core machine, so the
+parity tests share two, started on first use and stopped at the end of the
+run (the session fixtures ``vllm_worker``, ``vllm_tokdir`` and ``vllm_render``
+in tests/conftest.py):
+
+* ``VllmWorker``: vLLM's Python running tests/support/vllm_worker.py; it runs
+  check scripts (``run``, as ``python -c`` would) and drives vLLM's KV-event
+  and hashing code (``ask``);
+* a render server (``bench.vllm_render``: ``vllm launch render``) on the
+  tokenizer directory built from the MiniLM package.
+
+``need_vllm()`` skips a test, saying why, where vLLM is missing; it only looks
+for the package (importing vLLM is the worker's job, and a venv that has it but
+cannot import it fails the tests rather than skipping them).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import threading
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
-from bench.vllm_render import DEFAULT_VENV, TOOL_ARGS, RenderServer, vllm_env, vllm_python
+from bench.vllm_render import DEFAULT_VENV, START_TIMEOUT_S, TOOL_ARGS, RenderServer, vllm_env
 from bench.vllm_render import render_server as _render_server
 
-__all__ = ["DEFAULT_VENV", "RenderServer", "need_vllm", "render_server", "vllm_env", "vllm_python"]
+__all__ = ["DEFAULT_VENV", "RenderServer", "VllmWorker", "need_vllm", "render_server", "vllm_env"]
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+SKIP_REASON = ("vLLM is not installed: run .ci/vllm_venv.sh (`make test` does) or set VLLM_VENV_PYTHON "
+               "to a Python that can import vllm==0.33.0")
+
+
+@lru_cache(maxsize=1)
+def _find_vllm_python() -> str | None:
+    """$VLLM_VENV_PYTHON, else the default venv's Python, if it has the vllm package (not imported)."""
+    for python in (os.environ.get("VLLM_VENV_PYTHON"), str(DEFAULT_VENV / "bin" / "python")):
+        if not python or not Path(python).exists():
+            continue
+        probe = subprocess.run([python, "-c", "import importlib.util, sys; "
+                                "sys.exit(importlib.util.find_spec('vllm') is None)"],
+                               capture_output=True, timeout=60, check=False)
+        if probe.returncode == 0:
+            return python
+    return None
 
 
 def need_vllm() -> str:
     """The vLLM venv's Python, or skip the calling test with the reason."""
-    python = vllm_python()
+    python = _find_vllm_python()
     if python is None:
-        pytest.skip("vLLM is not installed: run .ci/vllm_venv.sh (CI does) or set VLLM_VENV_PYTHON "
-                    "to a Python that can import vllm==0.33.0")
+        pytest.skip(SKIP_REASON)
     return python
+
+
+class VllmWorker:
+    """vLLM's Python running tests/support/vllm_worker.py: one JSON line each way per command."""
+
+    def __init__(self, python: str) -> None:
+        self.python = python
+        env = vllm_env()
+        env["PYTHONHASHSEED"] = "0"  # the KV tests' seed (they switch it with op=seed and back)
+        self.log = Path(tempfile.mkstemp(prefix="vllm-worker-", suffix=".log")[1])
+        with open(self.log, "wb") as err:
+            # Its own session, so a stuck worker and anything it forked go with one signal.
+            self.proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, env=env, text=True, start_new_session=True)
+        self._lock = threading.Lock()
+        try:
+            ready = self._answer(START_TIMEOUT_S)
+        except Exception:
+            self.close()
+            raise
+        assert ready == {"ready": True}, ready
+
+    def _answer(self, timeout: float) -> Any:
+        assert self.proc.stdout is not None
+        readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if readable else ""
+        if not line:
+            state = "exited" if self.proc.poll() is not None else f"gave no answer in {timeout:.0f} s"
+            raise RuntimeError(f"the vLLM worker {state}: {self.log.read_text(errors='replace')[-3000:]}")
+        return json.loads(line)
+
+    def ask(self, timeout: float = 240.0, **cmd: Any) -> Any:
+        """Send one command (see tests/support/vllm_worker.py) and return its answer."""
+        assert self.proc.stdin is not None
+        with self._lock:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+            return self._answer(timeout)
+
+    def run(self, code: str, *argv: str, input: str = "", timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+        """``python -c code *argv`` under vLLM's Python, with ``input`` on stdin, in the shared interpreter."""
+        done = self.ask(timeout, op="run", code=code, argv=list(argv), stdin=input)
+        return subprocess.CompletedProcess(["vllm-worker", "-c", "...", *argv], done["returncode"], done["stdout"],
+                                           done["stderr"])
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            self.proc.wait(15)
+        except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+        self.log.unlink(missing_ok=True)
 
 
 @contextmanager
