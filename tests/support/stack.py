@@ -74,7 +74,8 @@ class Stack:
 def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[str, dict[str, Any]] | None = None,
                 admin_token: str | None = None, span_exporter: Any = None, embedding_loader: Any = None,
                 **overrides: Any) -> Stack:
-    """Start ``n`` simulated replicas r1..rN and a kvgate routing to them.
+    """Start ``n`` simulated replicas r1..rN and a kvgate routing to them, with kvgate's default
+    routing policy (prefix_affinity) unless ``routing`` says otherwise.
 
     ``embedding_loader`` replaces the semantic cache's model loader (see ``Runtime``)."""
     sims: dict[str, ServerThread] = {}
@@ -84,7 +85,6 @@ def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[
         sims[name] = ServerThread(build_sim(sim_config(name, **kw))).start()
     base: dict[str, Any] = {
         "replicas": [{"name": k, "url": v.url} for k, v in sims.items()],
-        "routing": {"policy": "least_load"},
         "pool": {"health_interval_s": 60, "metrics_interval_s": 60},
     }
     if admin_token is not None:
