@@ -38,7 +38,9 @@ class Gateway:
         config = {"listen": {"host": "127.0.0.1", "port": self.port},
                   "admin": {"host": "127.0.0.1", "port": self.admin_port, "token": TOKEN},
                   "replicas": [{"name": "r1", "url": sim, "models": [MODEL]}], "log_level": "warning",
-                  "shutdown_delay_s": 1.0, "shutdown_grace_s": 20, "workers": 2, **kw}
+                  # Sized for these tests: the longest stream is 40 tokens x 30 ms, so a 5 s grace
+                  # has margin on a busy machine; the drain test sets its own delay.
+                  "shutdown_delay_s": 0.2, "shutdown_grace_s": 5, "workers": 2, **kw}
         self.proc = start_kvgate(tmp, config)
         self.log = tmp / "kvgate.log"
         self.url = f"http://127.0.0.1:{self.port}"
@@ -239,9 +241,9 @@ def test_a_port_in_use_fails_start_up_with_a_message(tmp_path: Path) -> None:
 
 
 def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Path, sim: str) -> None:
-    # A grace of 2 s, not the fixture's 20: a worker drains as on SIGTERM, up to
-    # shutdown_delay_s + shutdown_grace_s by design, so a 40 s wait now leaves 37 s of margin
-    # (with the 20 s grace, a full suite on 2 cores sometimes used all of it).
+    # A grace of 2 s: a worker drains as on SIGTERM, up to shutdown_delay_s + shutdown_grace_s
+    # by design, so the 40 s wait leaves ample margin (with a 20 s grace, a full suite on
+    # 2 cores sometimes used all of it).
     gateway = Gateway(tmp_path, sim, shutdown_grace_s=2)
     run_dir = _run_dir(gateway)
     pids = [w["pid"] for w in gateway.workers()["workers"]]
