@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from tests.support.minilm import shared_minilm  # noqa: E402
 from tests.support.redis_cluster import PrivateRedisCluster  # noqa: E402
 from tests.support.redis_server import PrivateRedis, redis_url_from_env  # noqa: E402
 from tests.support.vllm_env import RenderServer, VllmWorker, need_vllm, render_server  # noqa: E402
@@ -61,6 +62,13 @@ def redis_cluster() -> Iterator[PrivateRedisCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Any:
+    """all-MiniLM-L6-v2, loaded once per run (offline: it raises if it would need the network);
+    stacks built with ``start_stack`` share the same model."""
+    return shared_minilm()
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from vllm_sim.config import SimConfig
 from vllm_sim.server import build_app as build_sim
 from vllm_sim.timing import TimingModel
 
+from .minilm import shared_minilm
 from .servers import ServerThread
 
 MODEL = "sim-model"
@@ -77,7 +78,8 @@ def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[
     """Start ``n`` simulated replicas r1..rN and a kvgate routing to them, with kvgate's default
     routing policy (prefix_affinity) unless ``routing`` says otherwise.
 
-    ``embedding_loader`` replaces the semantic cache's model loader (see ``Runtime``)."""
+    ``embedding_loader`` replaces the semantic cache's model loader (see ``Runtime``); by default
+    the run's one loaded MiniLM (``tests.support.minilm``)."""
     sims: dict[str, ServerThread] = {}
     for i in range(n):
         name = f"r{i + 1}"
@@ -91,7 +93,7 @@ def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[
         base["admin"] = {"token": admin_token}
     settings = load_settings(environ={}, overrides=_merge(base, overrides))
     app = build_app(settings, runtime=Runtime(settings, span_exporter=span_exporter,
-                                              embedding_loader=embedding_loader))
+                                              embedding_loader=embedding_loader or shared_minilm))
     gateway = ServerThread(app).start()
     admin_server = None
     if admin_token is not None:
