@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tests.support.minilm import shared_minilm  # noqa: E402
 from tests.support.redis_cluster import PrivateRedisCluster  # noqa: E402
 from tests.support.redis_server import PrivateRedis, redis_url_from_env  # noqa: E402
-from tests.support.vllm_env import RenderServer, VllmWorker, need_vllm, render_server  # noqa: E402
+from tests.support.vllm_env import BACKGROUND_NICE, VLLM, RenderServer, VllmWorker, need_vllm  # noqa: E402
 
 
 @pytest.fixture
@@ -71,27 +71,37 @@ def minilm() -> Any:
     return shared_minilm()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start vLLM's worker and render server in the background if the collected tests use them."""
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    worker, render = "vllm_worker" in used, bool({"vllm_render", "vllm_tokdir"} & used)
+    if worker or render:
+        try:
+            python = need_vllm()
+        except pytest.skip.Exception:
+            return  # the tests that need vLLM skip, saying why
+        VLLM.start(python, worker=worker, render=render, nice=BACKGROUND_NICE)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    VLLM.close()
+
+
 @pytest.fixture(scope="session")
-def vllm_worker() -> Iterator[VllmWorker]:
+def vllm_worker() -> VllmWorker:
     """vLLM's own Python, shared by every parity test (skips where vLLM is missing)."""
-    worker = VllmWorker(need_vllm())
-    try:
-        yield worker
-    finally:
-        worker.close()
+    return VLLM.worker(need_vllm())
 
 
 @pytest.fixture(scope="session")
-def vllm_tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tokenizer directory (built from the MiniLM package) the render server and the parity tests use."""
-    need_vllm()
-    from vllm_sim.tokenizer_dir import build_tokenizer_dir
-
-    return build_tokenizer_dir(tmp_path_factory.mktemp("vllm-parity") / "model")
+def vllm_tokdir() -> Path:
+    """The tokenizer directory (built from the MiniLM package) the render server serves."""
+    VLLM.start(need_vllm(), worker=False)
+    assert VLLM.tokdir is not None
+    return VLLM.tokdir
 
 
 @pytest.fixture(scope="session")
-def vllm_render(vllm_tokdir: Path) -> Iterator[RenderServer]:
+def vllm_render() -> RenderServer:
     """vLLM's render server on ``vllm_tokdir``, serving the model ``parity-model``, for the whole run."""
-    with render_server(vllm_tokdir, model="parity-model") as server:
-        yield server
+    return VLLM.render(need_vllm())
