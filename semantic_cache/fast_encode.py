@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -47,10 +48,24 @@ def _is_plain_mean_stack(model: Any) -> bool:
     return getattr(model[1], "pooling_mode", None) == "mean" and hasattr(model[0], "auto_model")
 
 
+# Built once per loaded model and thread count: embedders that share a model (the test
+# suite's stacks share one) share its fast path instead of exporting again (seconds each).
+# Weak keys, and encode functions that hold the tokenizer, not the model, so a model let
+# go is freed with its entry.
+_BUILT: "weakref.WeakKeyDictionary[Any, dict[int, EncodeFn | None]]" = weakref.WeakKeyDictionary()
+
+
 def build(model: Any, threads: int = 1) -> EncodeFn | None:
     """An encode function equivalent to ``model.encode(..., normalize_embeddings=True)``, or None."""
     if not _is_plain_mean_stack(model):
         return None
+    built = _BUILT.setdefault(model, {})
+    if threads not in built:
+        built[threads] = _build(model, threads)
+    return built[threads]
+
+
+def _build(model: Any, threads: int) -> EncodeFn | None:
     for backend in (_onnx_backend, _traced_backend):
         try:
             encode = backend(model, threads)
@@ -93,14 +108,19 @@ def _pooled_module(model: Any) -> Any:
     return _Pooled().eval()
 
 
-def _tokens(model: Any, texts: list[str], tensors: str) -> dict[str, Any]:
-    return dict(model.tokenizer(texts, padding=True, truncation=True, max_length=int(model.max_seq_length),
-                                return_tensors=tensors))
+def _tokenizer(model: Any) -> Callable[[list[str], str], dict[str, Any]]:
+    """The model's tokenization as ``encode`` does it (the tokenizer only: no reference to the model)."""
+    tokenizer, max_length = model.tokenizer, int(model.max_seq_length)
+
+    def tokens(texts: list[str], tensors: str) -> dict[str, Any]:
+        return dict(tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors=tensors))
+
+    return tokens
 
 
 def _example(model: Any) -> tuple[Any, Any, Any] | None:
     """Inputs to export or trace with (a padded batch), or None for a tokenizer without token types."""
-    t = _tokens(model, list(_PROBES[1]), "pt")
+    t = _tokenizer(model)(list(_PROBES[1]), "pt")
     if "token_type_ids" not in t:
         return None
     return t["input_ids"], t["token_type_ids"], t["attention_mask"]
@@ -134,9 +154,10 @@ def _onnx_backend(model: Any, threads: int) -> EncodeFn | None:
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
     session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
+    tokens = _tokenizer(model)
 
     def encode(texts: list[str]) -> np.ndarray:
-        t = _tokens(model, texts, "np")
+        t = tokens(texts, "np")
         feed = {"ids": t["input_ids"].astype(np.int64), "types": t["token_type_ids"].astype(np.int64),
                 "mask": t["attention_mask"].astype(np.int64)}
         return np.asarray(session.run(None, feed)[0], dtype=np.float32)
@@ -156,9 +177,10 @@ def _traced_backend(model: Any, threads: int) -> EncodeFn | None:
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(_pooled_module(model), example, check_trace=False)
         frozen = torch.jit.optimize_for_inference(torch.jit.freeze(traced))
+    tokens = _tokenizer(model)
 
     def encode(texts: list[str]) -> np.ndarray:
-        t = _tokens(model, texts, "pt")
+        t = tokens(texts, "pt")
         with torch.inference_mode():
             return frozen(t["input_ids"], t["token_type_ids"], t["attention_mask"]).numpy()
 

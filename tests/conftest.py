@@ -1,9 +1,10 @@
-"""Shared fixtures: anyio on asyncio, a real Redis (REDIS_URL or a private one), a Redis Cluster."""
+"""Shared fixtures: anyio on asyncio, a real Redis (REDIS_URL or a private one), a Redis Cluster, vLLM."""
 
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -17,8 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from tests.support.minilm import shared_minilm  # noqa: E402
 from tests.support.redis_cluster import PrivateRedisCluster  # noqa: E402
 from tests.support.redis_server import PrivateRedis, redis_url_from_env  # noqa: E402
+from tests.support.vllm_env import BACKGROUND_NICE, VLLM, RenderServer, VllmWorker, need_vllm  # noqa: E402
 
 
 @pytest.fixture
@@ -59,3 +62,46 @@ def redis_cluster() -> Iterator[PrivateRedisCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Any:
+    """all-MiniLM-L6-v2, loaded once per run (offline: it raises if it would need the network);
+    stacks built with ``start_stack`` share the same model."""
+    return shared_minilm()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start vLLM's worker and render server in the background if the collected tests use them."""
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    worker, render = "vllm_worker" in used, bool({"vllm_render", "vllm_tokdir"} & used)
+    if worker or render:
+        try:
+            python = need_vllm()
+        except pytest.skip.Exception:
+            return  # the tests that need vLLM skip, saying why
+        VLLM.start(python, worker=worker, render=render, nice=BACKGROUND_NICE)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    VLLM.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_worker() -> VllmWorker:
+    """vLLM's own Python, shared by every parity test (skips where vLLM is missing)."""
+    return VLLM.worker(need_vllm())
+
+
+@pytest.fixture(scope="session")
+def vllm_tokdir() -> Path:
+    """The tokenizer directory (built from the MiniLM package) the render server serves."""
+    VLLM.start(need_vllm(), worker=False)
+    assert VLLM.tokdir is not None
+    return VLLM.tokdir
+
+
+@pytest.fixture(scope="session")
+def vllm_render() -> RenderServer:
+    """vLLM's render server on ``vllm_tokdir``, serving the model ``parity-model``, for the whole run."""
+    return VLLM.render(need_vllm())

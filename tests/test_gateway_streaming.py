@@ -107,8 +107,10 @@ def test_refused_connection_is_retried_elsewhere() -> None:
 
 
 def test_replica_answering_5xx_is_ejected_and_returns_when_healthy() -> None:
-    stack = start_stack(2, pool={"eject_consecutive_failures": 2, "eject_base_s": 0.5,
-                                 "health_interval_s": 0.1, "metrics_interval_s": 60})
+    # least_load: with both idle it picks r1 first, so the failing replica takes the first two requests.
+    stack = start_stack(2, routing={"policy": "least_load"},
+                        pool={"eject_consecutive_failures": 2, "eject_base_s": 0.5,
+                              "health_interval_s": 0.1, "metrics_interval_s": 60})
     try:
         stack.faults("r1", error_rate=1.0, error_status=500)
         pool = stack.runtime.pool

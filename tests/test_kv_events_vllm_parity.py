@@ -11,11 +11,8 @@
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import anyio
 import msgpack
@@ -28,54 +25,15 @@ from vllm_sim.kv import KVPool
 from vllm_sim.kv_events import encode_batch
 from vllm_sim.vllm_hash import vllm_block_hashes
 
-vllm_env = pytest.importorskip("tests.support.vllm_env", reason="tests.support.vllm_env (issue 16) not present")
+from tests.support.vllm_env import VllmWorker as Probe
 
-PROBE = Path(__file__).parent / "support" / "vllm_kv_probe.py"
 BS = 16
 
 
-class Probe:
-    def __init__(self, seed: str | None) -> None:
-        python = vllm_env.need_vllm()
-        env = vllm_env.vllm_env()
-        env.pop("PYTHONHASHSEED", None)
-        if seed is not None:
-            env["PYTHONHASHSEED"] = seed
-        self.proc = subprocess.Popen([python, str(PROBE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, text=True)
-        assert json.loads(self._line()) == {"ready": True}
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the vLLM probe exited")
-        return line
-
-    def ask(self, **cmd: Any) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._line())
-
-    def close(self) -> None:
-        try:
-            self.ask(op="quit")
-        except (RuntimeError, BrokenPipeError, json.JSONDecodeError):
-            pass
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-@pytest.fixture(scope="module")
-def probe() -> Iterator[Probe]:
-    p = Probe("0")
-    try:
-        yield p
-    finally:
-        p.close()
+@pytest.fixture
+def probe(vllm_worker: Probe) -> Probe:
+    """The session's vLLM interpreter, started with PYTHONHASHSEED=0 (the tests' seed)."""
+    return vllm_worker
 
 
 SQL = ("sql-lora", "/adapters/sql")

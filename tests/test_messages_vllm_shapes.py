@@ -1,7 +1,7 @@
 """The simulator's /v1/messages shapes, and what kvgate forwards there, checked against vLLM 0.33's own models.
 
 vLLM lives in its own venv (it pins its own torch and fastapi); a short script
-run under that Python validates the JSON collected here with the pydantic
+run in the session's vLLM interpreter (tests/support/vllm_env.py) validates the JSON collected here with the pydantic
 classes of ``vllm.entrypoints.anthropic.protocol``, and round-trips it the way
 vLLM serialises (``exclude_none`` for bodies, ``exclude_unset`` for stream
 events), so an extra, missing or misspelt field fails. Skipped, saying why,
@@ -11,7 +11,6 @@ where that venv is missing.
 from __future__ import annotations
 
 import json
-import subprocess
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from gateway.errors import BadRequest, NoReplica
 from gateway.apis.messages.shape import ANTHROPIC_SHAPE
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL, sim_config
-from tests.support.vllm_env import need_vllm, vllm_env
+from tests.support.vllm_env import VllmWorker
 from vllm_sim.server import build_app as build_sim
 
 _CHECK = r"""
@@ -74,8 +73,7 @@ def _events(raw: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_simulator_shapes_are_vllms() -> None:
-    python = need_vllm()
+def test_simulator_shapes_are_vllms(vllm_worker: VllmWorker) -> None:
     sim = ServerThread(build_sim(sim_config("r1"))).start()
     try:
         with httpx.Client(base_url=sim.url, timeout=10) as http:
@@ -93,8 +91,7 @@ def test_simulator_shapes_are_vllms() -> None:
                 "responses": responses, "events": events, "counts": counts, "errors": errors,
                 "statuses": [(s, ANTHROPIC_SHAPE.body(_status(s))["error"]["type"])
                              for s in (400, 401, 403, 404, 413, 422, 429, 500, 502, 503, 504)]}
-        run = subprocess.run([python, "-c", _CHECK], input=json.dumps(data), capture_output=True, text=True,
-                             timeout=300, check=False, env=vllm_env())
+        run = vllm_worker.run(_CHECK, input=json.dumps(data), timeout=300)
         assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
     finally:
         sim.stop()

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semantic_cache.batching import Batcher
-from semantic_cache.embedder import LocalEmbedder, load_minilm
+from semantic_cache.embedder import LocalEmbedder
 from semantic_cache.normalize import embedding_text, query_text
 
 
@@ -107,11 +107,10 @@ async def test_aclose_cancels_the_running_batch_and_the_queue() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_loop() -> Iterator[tuple[asyncio.AbstractEventLoop, LocalEmbedder]]:
-    """One loop and one loaded embedder for every example (loading is seconds, an example ms)."""
+def model_loop(minilm: Any) -> Iterator[tuple[asyncio.AbstractEventLoop, LocalEmbedder]]:
+    """One loop and one started embedder for every example (starting is seconds, an example ms)."""
     loop = asyncio.new_event_loop()
-    model = load_minilm()
-    emb = LocalEmbedder(loader=lambda: model, batch_max=BATCH_MAX)
+    emb = LocalEmbedder(loader=lambda: minilm, batch_max=BATCH_MAX)
     loop.run_until_complete(emb.start())
     try:
         yield loop, emb

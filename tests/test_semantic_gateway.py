@@ -62,12 +62,18 @@ def test_streamed_replay_parses_in_the_sdk(stack: Stack) -> None:
     text = _ask(a, q).parse().choices[0].message.content
     assert stack.wait_for(lambda: _ask(a, q).headers["x-kvgate-cache"] == "hit", timeout=2)
     for include_usage in (False, True):
-        chunks = list(a.chat.completions.create(
+        before = _engine_requests(stack)
+        raw = a.chat.completions.with_raw_response.create(
             model=MODEL, stream=True, messages=[SYSTEM, {"role": "user", "content": q}],
-            stream_options={"include_usage": include_usage}))
+            stream_options={"include_usage": include_usage})
+        # The simulator would stream the same text: only the header and the replica's count
+        # show that the cache, not r1, answered.
+        assert raw.headers["x-kvgate-cache"] == "hit" and raw.headers["x-kvgate-replica"] == "cache"
+        chunks = list(raw.parse())
         assert len([c for c in chunks if c.choices]) > 2, "replayed as several chunks"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
         assert (chunks[-1].usage is not None) == include_usage
+        assert _engine_requests(stack) == before
 
 
 def test_never_served_across_tenant_model_system_or_history(stack: Stack) -> None:

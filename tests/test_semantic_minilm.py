@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from semantic_cache import CachedAnswer, LocalEmbedder, SemanticCache, SemanticCacheSettings, cache_request
-from semantic_cache.embedder import load_minilm
 
 S = SemanticCacheSettings(enabled=True)  # production defaults: threshold, verifier
 ANSWER = CachedAnswer("Hold the reset button for 10 seconds.", "stop", "m1", 12, 9, 1)
-
-
-@pytest.fixture(scope="module")
-def minilm() -> Iterator[Any]:
-    yield load_minilm()  # raises if it would need the network (HF_HUB_OFFLINE=1)
 
 
 def req(question: str):

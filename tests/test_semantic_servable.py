@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from semantic_cache.embedder import load_minilm
+from tests.support.minilm import shared_minilm
 from tests.support.redis_server import PrivateRedis
 from tests.support.stack import MODEL, Stack, start_stack
 
@@ -158,7 +158,7 @@ def _admin_cache(stack: Stack) -> dict[str, Any]:
 
 def test_readyz_says_the_model_is_loading_until_the_semantic_tier_can_serve() -> None:
     gate = threading.Event()
-    stack = start_stack(1, semantic_cache=_cache(), admin_token=TOKEN, embedding_loader=_gated(gate, load_minilm))
+    stack = start_stack(1, semantic_cache=_cache(), admin_token=TOKEN, embedding_loader=_gated(gate, shared_minilm))
     try:
         assert _degraded(stack) == ["semantic cache: embedding model loading"]
         stats = _admin_cache(stack)

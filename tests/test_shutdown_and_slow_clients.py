@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support.procs import sim_process, start_kvgate
+from tests.support.procs import sim_process, start_kvgate, wait_ready
 from tests.support.servers import free_port
 
 MODEL = "sim-model"
@@ -29,7 +29,9 @@ def sim() -> Iterator[str]:
 def _config(port: int, sim: str, **kw: Any) -> dict[str, Any]:
     return {"listen": {"host": "127.0.0.1", "port": port}, "admin": {"enabled": False},
             "replicas": [{"name": "r1", "url": sim, "models": [MODEL]}], "log_level": "warning",
-            "shutdown_delay_s": 1.0, "shutdown_grace_s": 20, **kw}
+            # The delay lets a follower of /readyz see the change; the grace is sized for these
+            # streams (at most 30 tokens x 30 ms), with margin for a busy machine.
+            "shutdown_delay_s": 1.0, "shutdown_grace_s": 5, **kw}
 
 
 def test_sigterm_turns_unready_at_once_and_lets_streams_finish(tmp_path: Path, sim: str) -> None:
@@ -59,8 +61,12 @@ def test_sigterm_turns_unready_at_once_and_lets_streams_finish(tmp_path: Path, s
 @pytest.mark.parametrize("workers", [1, 2])
 def test_rolling_restart_under_load_loses_nothing(tmp_path: Path, sim: str, workers: int) -> None:
     ports = [free_port(), free_port()]
-    procs: dict[int, subprocess.Popen[bytes]] = {p: start_kvgate(tmp_path, _config(p, sim, workers=workers),
-                                                                 name=f"gw{p}") for p in ports}
+    configs = {p: _config(p, sim, workers=workers) for p in ports}
+    # Both instances start at once; the restarts below go one at a time.
+    procs: dict[int, subprocess.Popen[bytes]] = {p: start_kvgate(tmp_path, configs[p], name=f"gw{p}", wait=False)
+                                                 for p in ports}
+    for p in ports:
+        wait_ready(procs[p], tmp_path, configs[p], name=f"gw{p}")
     ready = {p: True for p in ports}
     stop = threading.Event()
     outcomes: list[int] = []

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.vllm_env import RenderServer, need_vllm, render_server, vllm_env
+from tests.support.vllm_env import RenderServer, VllmWorker
 from vllm_sim.config import SimConfig
 from vllm_sim.server import build_app
-from vllm_sim.tokenizer_dir import build_tokenizer_dir
 
 MODEL = "sim-model"
 CHAT = {"messages": [{"role": "system", "content": "You route requests. " * 20},
@@ -152,16 +150,15 @@ PARITY: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    need_vllm()
-    return build_tokenizer_dir(tmp_path_factory.mktemp("render") / "model")
+@pytest.fixture
+def tokdir(vllm_tokdir: Path) -> Path:
+    return vllm_tokdir
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tokdir: Path) -> Iterator[RenderServer]:
-    with render_server(tokdir, model=PARITY_MODEL) as server:
-        yield server
+@pytest.fixture
+def vllm_server(vllm_render: RenderServer) -> RenderServer:
+    assert vllm_render.model == PARITY_MODEL
+    return vllm_render
 
 
 def _pairs(tokdir: Path, server: RenderServer) -> list[tuple[Any, Any, int, int]]:
@@ -205,8 +202,7 @@ print(json.dumps(failures))
 
 
 @pytest.mark.timeout(300)
-def test_render_responses_validate_as_vllms_generate_request(tmp_path: Path) -> None:
-    python = need_vllm()
+def test_render_responses_validate_as_vllms_generate_request(tmp_path: Path, vllm_worker: VllmWorker) -> None:
     app = build_app(SimConfig(model=MODEL))
     cases = [*PARITY[:8], ("/v1/chat/completions/render", TOOL_CHAT)]
     bodies = [(path, {"model": MODEL, **body}, {}) for path, body in cases]
@@ -214,7 +210,6 @@ def test_render_responses_validate_as_vllms_generate_request(tmp_path: Path) -> 
     assert all(r.status_code == 200 for r in responses)
     data = tmp_path / "render.json"
     data.write_text(json.dumps([r.json() for r in responses]))
-    out = subprocess.run([python, "-c", _CHECK, str(data)], capture_output=True, text=True, timeout=280,
-                         env=vllm_env(), cwd=tmp_path, check=False)
+    out = vllm_worker.run(_CHECK, str(data), timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -1,26 +1,23 @@
 """The simulator's /v1/responses shapes, checked against vLLM's own pydantic protocol models.
 
 The JSON is collected here (a real sim on a real port, requests as the gateway
-sends them) and validated by a short script run under a Python that has the
-``vllm`` package: ``$VLLM_VENV_PYTHON``, else ``/work/vllm-venv/bin/python``
-(CI installs it). Without one the test skips and says so. Beyond validation
-(vLLM's models accept extra fields), the sim must not emit a key vLLM's models
-do not have.
+sends them) and validated by a short script run in the session's vLLM
+interpreter (tests/support/vllm_env.py). Without vLLM the test skips and says
+so. Beyond validation (vLLM's models accept extra fields), the sim must not
+emit a key vLLM's models do not have.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL, sim_config
+from tests.support.vllm_env import VllmWorker
 from vllm_sim.server import build_app as build_sim
 
 _CHECK = r"""
@@ -58,11 +55,6 @@ sys.exit(1 if problems else 0)
 """
 
 
-def _vllm_python() -> str | None:
-    candidate = os.environ.get("VLLM_VENV_PYTHON") or "/work/vllm-venv/bin/python"
-    return candidate if Path(candidate).is_file() and os.access(candidate, os.X_OK) else None
-
-
 def _events(raw: str) -> list[dict[str, Any]]:
     out = []
     for block in raw.split("\n\n"):
@@ -76,10 +68,7 @@ def _events(raw: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_sim_responses_match_vllm_models(tmp_path: Path) -> None:
-    python = _vllm_python()
-    if python is None:
-        pytest.skip("no Python with vllm installed (set VLLM_VENV_PYTHON or create /work/vllm-venv)")
+def test_sim_responses_match_vllm_models(tmp_path: Path, vllm_worker: VllmWorker) -> None:
     sim = ServerThread(build_sim(sim_config("r1"))).start()
     try:
         url = sim.url + "/v1/responses"
@@ -107,6 +96,5 @@ def test_sim_responses_match_vllm_models(tmp_path: Path) -> None:
     assert responses[1]["status"] == "incomplete"
     path = tmp_path / "shapes.json"
     path.write_text(json.dumps({"requests": requests, "responses": responses, "events": events}))
-    done = subprocess.run([python, "-c", _CHECK, str(path)], capture_output=True, text=True, timeout=240, check=False,
-                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    done = vllm_worker.run(_CHECK, str(path))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 from routing.render_tokens import RenderTokenSource
 from routing.tokens import HFTokenSource
 from tests.support.protocol_bodies import MESSAGES, RESPONSES, UNRENDERABLE
-from tests.support.vllm_env import RenderServer, need_vllm, render_server
-from vllm_sim.tokenizer_dir import build_tokenizer_dir
+from tests.support.vllm_env import RenderServer, VllmWorker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,15 +105,13 @@ COMPLETIONS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    need_vllm()
-    return build_tokenizer_dir(tmp_path_factory.mktemp("parity") / "model")
+def tokdir(vllm_tokdir: Path) -> Path:
+    return vllm_tokdir
 
 
 @pytest.fixture(scope="module")
-def server(tokdir: Path) -> Iterator[RenderServer]:
-    with render_server(tokdir) as srv:
-        yield srv
+def server(vllm_render: RenderServer) -> RenderServer:
+    return vllm_render
 
 
 @pytest.fixture(scope="module")
@@ -320,12 +317,10 @@ def test_any_text_responses_equal_vllm_render(server: RenderServer, source: HFTo
     assert ours(source, "responses", body) == _rendered_or_none(server, "responses", body)
 
 
-def test_inline_system_merging_is_decided_as_vllm_decides_it() -> None:
+def test_inline_system_merging_is_decided_as_vllm_decides_it(vllm_worker: VllmWorker) -> None:
     """``needs_system_first`` against vLLM's own ``_detect_merge_inline_system`` on templates that differ."""
     import json
-    import subprocess
 
-    from bench.vllm_render import vllm_env
     from routing.vllm_chat import needs_system_first
 
     templates = [
@@ -340,8 +335,8 @@ def test_inline_system_merging_is_decided_as_vllm_decides_it() -> None:
     code = ("import json, sys\n"
             "from vllm.entrypoints.anthropic.serving import AnthropicServingMessages as A\n"
             "print(json.dumps([A._detect_merge_inline_system(t or None) for t in json.loads(sys.stdin.read())]))")
-    out = subprocess.run([need_vllm(), "-c", code], input=json.dumps(templates), capture_output=True, text=True,
-                         env=vllm_env(), timeout=240, check=True)
+    out = vllm_worker.run(code, input=json.dumps(templates))
+    assert out.returncode == 0, out.stderr[-3000:]
     expected = json.loads(out.stdout.strip().splitlines()[-1])
     assert [needs_system_first(t or None) for t in templates] == expected
     assert expected[:2] == [False, True], "both answers occur"

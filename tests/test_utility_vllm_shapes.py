@@ -1,17 +1,14 @@
 """The simulator's utility, pooling and audio answers, validated by vLLM's own pydantic protocol models.
 
 The test bodies themselves are validated by vLLM's request models too, so what
-the gateway's tests send is what a real vLLM accepts. Needs a python that
-imports vLLM (``VLLM_VENV_PYTHON``, or the venv at /work/vllm-venv); skips
-with a message otherwise.
+the gateway's tests send is what a real vLLM accepts. Runs in the session's
+vLLM interpreter (tests/support/vllm_env.py); skips, saying why, without vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,19 +17,12 @@ import httpx
 import orjson
 import pytest
 
+from tests.support.vllm_env import VllmWorker
 from vllm_sim.audio import synthetic_wav as wav
 from vllm_sim.config import SimConfig
 from vllm_sim.server import build_app
 
 MODEL = "sim-model"
-
-
-def _vllm_python() -> str | None:
-    # A local lookup until tests/support/vllm_env.py (branch ``tokens``) lands: same skip rule.
-    for candidate in (os.environ.get("VLLM_VENV_PYTHON"), "/work/vllm-venv/bin/python"):
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 # (path, request body, vLLM request model, vLLM response model); models named module:Class.
@@ -107,18 +97,12 @@ async def _collect() -> list[tuple[str, Any]]:
 
 
 @pytest.mark.timeout(300)
-def test_sim_utility_shapes_match_vllm_protocol_models(tmp_path: Path) -> None:
-    python = _vllm_python()
-    if python is None:
-        pytest.skip("no python with vLLM installed (set VLLM_VENV_PYTHON or create /work/vllm-venv)")
+def test_sim_utility_shapes_match_vllm_protocol_models(tmp_path: Path, vllm_worker: VllmWorker) -> None:
     pairs = asyncio.run(_collect())
     data = tmp_path / "shapes.json"
     data.write_text(json.dumps(pairs))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not ours
-    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    out = subprocess.run([python, "-c", _CHECK, str(data)], check=False, capture_output=True, text=True,
-                         timeout=280, env=env, cwd=tmp_path)
+    out = vllm_worker.run(_CHECK, str(data), timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert failures == [], "\n".join(failures)
-    assert len(pairs) > 20 and sys.executable != python
+    assert len(pairs) > 20 and sys.executable != vllm_worker.python

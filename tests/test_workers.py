@@ -38,7 +38,9 @@ class Gateway:
         config = {"listen": {"host": "127.0.0.1", "port": self.port},
                   "admin": {"host": "127.0.0.1", "port": self.admin_port, "token": TOKEN},
                   "replicas": [{"name": "r1", "url": sim, "models": [MODEL]}], "log_level": "warning",
-                  "shutdown_delay_s": 1.0, "shutdown_grace_s": 20, "workers": 2, **kw}
+                  # Sized for these tests: the longest stream is 40 tokens x 30 ms, so a 5 s grace
+                  # has margin on a busy machine; the drain test sets its own delay.
+                  "shutdown_delay_s": 0.2, "shutdown_grace_s": 5, "workers": 2, **kw}
         self.proc = start_kvgate(tmp, config)
         self.log = tmp / "kvgate.log"
         self.url = f"http://127.0.0.1:{self.port}"
@@ -84,9 +86,11 @@ class Gateway:
             self.proc.wait(30)
 
 
-@pytest.fixture
-def gateway(tmp_path: Path, sim: str) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path, sim)
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, sim: str) -> Iterator[Gateway]:
+    """One two-worker kvgate for the tests below (each takes seconds to start): they count
+    from what they find, and the one that kills a worker checks it came back."""
+    gw = Gateway(tmp_path_factory.mktemp("workers"), sim)
     yield gw
     gw.stop()
 
@@ -112,12 +116,18 @@ def _scrape_each_worker(gw: Gateway) -> dict[str, str]:
 
 
 def test_two_workers_share_the_port_and_metrics_sum_over_them(gateway: Gateway) -> None:
+    before = {name: _sample(text, "kvgate_requests_total", endpoint="chat", status="200")
+              for name, text in _scrape_each_worker(gateway).items()}
+    durations = {name: _sample(text, "kvgate_request_duration_seconds_count", endpoint="chat")
+                 for name, text in _scrape_each_worker(gateway).items()}
+    assert len(set(before.values())) == 1 and before == durations, (before, durations)  # both see one sum
+    start = before["0"]
     served = gateway.served_by(40)
     assert set(served) == {"0", "1"}, served  # 40 connections on one worker: odds 2^-39
     scrapes = _scrape_each_worker(gateway)
     for worker, text in scrapes.items():  # whichever worker answers, it counts both
-        assert _sample(text, "kvgate_requests_total", endpoint="chat", status="200") == 40, worker
-        assert _sample(text, "kvgate_request_duration_seconds_count", endpoint="chat") == 40, worker
+        assert _sample(text, "kvgate_requests_total", endpoint="chat", status="200") == start + 40, worker
+        assert _sample(text, "kvgate_request_duration_seconds_count", endpoint="chat") == start + 40, worker
         assert _sample(text, "kvgate_replica_up", replica="r1") == 1, worker  # one replica, not summed
     workers = gateway.workers()
     assert workers["configured"] == 2 and workers["running"] == 2 and workers["this_worker"] == 0
@@ -189,16 +199,18 @@ def _run_dir(gw: Gateway) -> Path:
 
 
 def test_a_killed_worker_is_restarted_and_its_counts_stay_in_the_sums(gateway: Gateway) -> None:
+    start = _sample(gateway.fresh("GET", "/metrics").text, "kvgate_requests_total", endpoint="chat")
     gateway.served_by(20)
     before = _sample(gateway.fresh("GET", "/metrics").text, "kvgate_requests_total", endpoint="chat")
-    assert before == 20
+    assert before == start + 20
     victim = gateway.workers()["workers"][1]["pid"]
+    assert gateway.workers()["workers"][1]["restarts"] == 0
     os.kill(victim, signal.SIGKILL)
     gateway.wait_for(lambda: (w := gateway.workers()["workers"][1])["restarts"] == 1 and w["pid"] != victim
                      and gateway.workers()["running"] == 2)
     gateway.wait_for(lambda: "1" in gateway.served_by(4))  # the new worker 1 serves on the port
     total = _sample(gateway.fresh("GET", "/metrics").text, "kvgate_requests_total", endpoint="chat")
-    assert total >= 24, total  # the dead worker's requests are still counted
+    assert total >= before + 4, total  # the dead worker's requests are still counted
     records = [json.loads(line) for line in gateway.log.read_text().splitlines() if line.startswith("{")]
     died = [r for r in records if r["msg"] == "worker died; restarting"]
     assert [(r["worker"], r["pid"], r["exit_code"]) for r in died] == [(1, victim, -signal.SIGKILL)]
@@ -239,9 +251,9 @@ def test_a_port_in_use_fails_start_up_with_a_message(tmp_path: Path) -> None:
 
 
 def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Path, sim: str) -> None:
-    # A grace of 2 s, not the fixture's 20: a worker drains as on SIGTERM, up to
-    # shutdown_delay_s + shutdown_grace_s by design, so a 40 s wait now leaves 37 s of margin
-    # (with the 20 s grace, a full suite on 2 cores sometimes used all of it).
+    # A grace of 2 s: a worker drains as on SIGTERM, up to shutdown_delay_s + shutdown_grace_s
+    # by design, so the 40 s wait leaves ample margin (with a 20 s grace, a full suite on
+    # 2 cores sometimes used all of it).
     gateway = Gateway(tmp_path, sim, shutdown_grace_s=2)
     run_dir = _run_dir(gateway)
     pids = [w["pid"] for w in gateway.workers()["workers"]]

@@ -25,19 +25,25 @@ def start_kvgate(tmp: Path, config: dict[str, Any], *, name: str = "kvgate", wai
     proc = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "serve", "--config", str(path)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     if wait:
-        url = f"http://{config['listen']['host']}:{config['listen']['port']}/readyz"
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(url, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"kvgate did not become ready: {(tmp / f'{name}.log').read_text()[-2000:]}")
-            time.sleep(0.05)
+        wait_ready(proc, tmp, config, name=name, timeout=timeout)
     return proc
+
+
+def wait_ready(proc: subprocess.Popen[bytes], tmp: Path, config: dict[str, Any], *, name: str = "kvgate",
+               timeout: float = 30.0) -> None:
+    """Until a kvgate started with ``start_kvgate(..., wait=False)`` answers /readyz with 200."""
+    url = f"http://{config['listen']['host']}:{config['listen']['port']}/readyz"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"kvgate did not become ready: {(tmp / f'{name}.log').read_text()[-2000:]}")
+        time.sleep(0.05)
 
 
 @contextmanager

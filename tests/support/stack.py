@@ -16,6 +16,7 @@ from vllm_sim.config import SimConfig
 from vllm_sim.server import build_app as build_sim
 from vllm_sim.timing import TimingModel
 
+from .minilm import shared_minilm
 from .servers import ServerThread
 
 MODEL = "sim-model"
@@ -74,9 +75,11 @@ class Stack:
 def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[str, dict[str, Any]] | None = None,
                 admin_token: str | None = None, span_exporter: Any = None, embedding_loader: Any = None,
                 **overrides: Any) -> Stack:
-    """Start ``n`` simulated replicas r1..rN and a kvgate routing to them.
+    """Start ``n`` simulated replicas r1..rN and a kvgate routing to them, with kvgate's default
+    routing policy (prefix_affinity) unless ``routing`` says otherwise.
 
-    ``embedding_loader`` replaces the semantic cache's model loader (see ``Runtime``)."""
+    ``embedding_loader`` replaces the semantic cache's model loader (see ``Runtime``); by default
+    the run's one loaded MiniLM (``tests.support.minilm``)."""
     sims: dict[str, ServerThread] = {}
     for i in range(n):
         name = f"r{i + 1}"
@@ -84,14 +87,13 @@ def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[
         sims[name] = ServerThread(build_sim(sim_config(name, **kw))).start()
     base: dict[str, Any] = {
         "replicas": [{"name": k, "url": v.url} for k, v in sims.items()],
-        "routing": {"policy": "least_load"},
         "pool": {"health_interval_s": 60, "metrics_interval_s": 60},
     }
     if admin_token is not None:
         base["admin"] = {"token": admin_token}
     settings = load_settings(environ={}, overrides=_merge(base, overrides))
     app = build_app(settings, runtime=Runtime(settings, span_exporter=span_exporter,
-                                              embedding_loader=embedding_loader))
+                                              embedding_loader=embedding_loader or shared_minilm))
     gateway = ServerThread(app).start()
     admin_server = None
     if admin_token is not None:

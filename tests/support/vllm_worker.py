@@ -1,9 +1,15 @@
-"""Run under vLLM's own Python (tests.support.vllm_env): vLLM's KV-event and hashing code, driven over stdin.
+"""Run under vLLM's own Python (tests.support.vllm_env): one vLLM interpreter for the whole test run.
 
-Importing vLLM takes most of a minute on a loaded 2-core machine, so one
-process serves a whole test module: one JSON command per line on stdin, one
-JSON answer per line on stdout.
+Importing vLLM takes 10-20 s on a loaded 2-core machine, so one process serves
+every parity test (the session fixture ``vllm_worker``): one JSON command per
+line on stdin, one JSON answer per line on the protocol pipe (the process's
+original stdout; anything else written to stdout, vLLM's logger included, goes
+to stderr so it cannot break a line).
 
+* ``{"op": "run", "code": ..., "argv": [...], "stdin": ...}``: the script run as
+  ``python -c code *argv`` would run it, with ``stdin`` as its standard input;
+  answers ``{"returncode": n, "stdout": ..., "stderr": ...}`` (a traceback in
+  stderr and returncode 1 on an exception, the code of ``sys.exit``).
 * ``{"op": "hash", "cases": [{"ids": [...], "salt": s|null, "block_size": n, "lora": [name, path]|null}]}``:
   the block hashes vLLM's scheduler gives a real ``vllm.v1.request.Request`` with that
   prompt, cache_salt and LoRA adapter (``get_request_block_hasher`` with ``sha256_cbor``
@@ -20,19 +26,70 @@ JSON answer per line on stdout.
   ``init_none_hash`` again, as a vLLM process started that way would.
 * ``{"op": "quit"}``.
 
-This file imports nothing from kvgate: it stands for vLLM.
+The KV ops import vLLM's KV code on first use. This file imports nothing from
+kvgate: it stands for vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
 import time
-from typing import Any
+import traceback
+from typing import Any, TextIO
+
+
+def run_script(code: str, argv: list[str], stdin: str) -> dict[str, Any]:
+    """``python -c code *argv`` with ``stdin``, in this interpreter (vLLM already imported)."""
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_stdin = sys.argv, sys.stdin
+    sys.argv, sys.stdin = ["-c", *argv], io.StringIO(stdin)
+    returncode = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as exc:
+        returncode = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            err.write(f"{exc.code}\n")
+    except BaseException:  # noqa: BLE001 - reported to the test, as a failed `python -c` would be
+        err.write(traceback.format_exc())
+        returncode = 1
+    finally:
+        sys.argv, sys.stdin = saved_argv, saved_stdin
+    return {"returncode": returncode, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
 def main() -> None:
+    # The protocol keeps the original stdout; fd 1 (and sys.stdout) become stderr, so a
+    # stray print or vLLM's logger (it writes to stdout) cannot split an answer.
+    channel: TextIO = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import vllm  # noqa: F401 - the import every command needs, paid (and any failure seen) before "ready"
+
+    print(json.dumps({"ready": True}), file=channel, flush=True)
+    kv: dict[str, Any] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "run":
+            answer: Any = run_script(cmd["code"], cmd.get("argv", []), cmd.get("stdin", ""))
+        else:
+            if not kv:
+                kv.update(kv_ops())
+            answer = kv["handle"](cmd)
+        print(json.dumps(answer), file=channel, flush=True)
+    if kv:
+        kv["close"]()
+
+
+def kv_ops() -> dict[str, Any]:
+    """vLLM's KV-event and hashing code: ``handle(cmd)`` answers one command; ``close()``."""
     import msgspec
     from vllm.config.kv_events import KVEventsConfig
     from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventPublisherFactory,
@@ -46,7 +103,6 @@ def main() -> None:
 
     init_none_hash(sha256_cbor)
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
-    publisher = None
     kinds = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
 
     def plain(obj: Any) -> Any:
@@ -64,9 +120,9 @@ def main() -> None:
         return Request("probe", case["ids"], SamplingParams(max_tokens=1), None, cache_salt=case["salt"],
                        block_hasher=hasher, lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None)
 
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    state: dict[str, Any] = {"publisher": None}
+
+    def handle(cmd: dict[str, Any]) -> Any:
         op = cmd["op"]
         if op == "hash":
             answer: Any = [[bytes(h).hex() for h in request(case).block_hashes] for case in cmd["cases"]]
@@ -80,10 +136,11 @@ def main() -> None:
         elif op == "decode":
             answer = [plain(decoder.decode(bytes.fromhex(p))) for p in cmd["payloads"]]
         elif op == "publish":
+            publisher = state["publisher"]
             if publisher is None:
                 config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=cmd["endpoint"],
                                         replay_endpoint=cmd["replay"], topic="kv-events")
-                publisher = EventPublisherFactory.create(config, 0)
+                publisher = state["publisher"] = EventPublisherFactory.create(config, 0)
                 time.sleep(0.2)  # let the sockets bind before the first batch
             for events in cmd["batches"]:
                 publisher.publish(KVEventBatch(ts=time.time(), events=[
@@ -96,13 +153,15 @@ def main() -> None:
                 os.environ["PYTHONHASHSEED"] = cmd["seed"]
             init_none_hash(sha256_cbor)
             answer = "seeded"
-        elif op == "quit":
-            break
         else:
             answer = {"error": f"unknown op {op}"}
-        print(json.dumps(answer), flush=True)
-    if publisher is not None:
-        publisher.shutdown()
+        return answer
+
+    def close() -> None:
+        if state["publisher"] is not None:
+            state["publisher"].shutdown()
+
+    return {"handle": handle, "close": close}
 
 
 if __name__ == "__main__":
