@@ -327,7 +327,9 @@ class TTFTAffinity:
         learned = self.work.get(-1.0)
         each = [learned if learned >= 0 else u for u in uncached]
         queued = self.backlog.queued([r.name for r in order], rates)
-        ahead, own, ttft, refill = [], [], [], []
+        ahead, ttft, refill = [], [], []
+        # Before any replica has reported a rate every figure is in tokens (a rate of 1).
+        speed = [x or 1.0 for x in rates]
         astray = prompt_tokens * share if share and not self.index.holders(route.key) and not any(
             precise.values()) else 0.0
         # Evicting a block costs the fleet the share of evicted blocks that come back
@@ -337,27 +339,26 @@ class TTFTAffinity:
         per_block = info.block * (len(request.token_ids) / len(info.rendered.data)
                                   if request.token_ids and info.rendered.data else 1.0 / CHARS_PER_TOKEN)
         for i, r in enumerate(order):
-            rate = rates[i] or 1.0
+            rate = speed[i]
             # The queue is at least what this instance sent and was not done, and at least what
             # the replica reported waiting: each figure counts this instance's own requests.
             ahead.append(max(queued[i], waiting[i] * each[i]) / rate)
-            own.append(uncached[i] / rate)
-            ttft.append(ahead[-1] + own[-1])
+            ttft.append(ahead[-1] + uncached[i] / rate)
             bit = self.bits.get(r.name)
             evicts = self.pools.overflow(bit, uncached[i] / per_block) if back and bit is not None else 0.0
             refill.append(evicts * per_block * back / rate)
         # Tokens computed beyond the fewest delay whoever queues behind them (module doc).
         busy = sum(1 for a in ahead if a > 0) / n
         least_uncached = min(uncached)
-        excess = [(u - least_uncached) / (rates[i] or 1.0) * busy for i, u in enumerate(uncached)]
-        strays = [astray / (rates[i] or 1.0) if i else 0.0 for i in range(n)]
+        excess = [(u - least_uncached) / speed[i] * busy for i, u in enumerate(uncached)]
+        strays = [astray / speed[i] if i else 0.0 for i in range(n)]
         cost = [ttft[i] + strays[i] + excess[i] + refill[i] for i in range(n)]
         # The pick: least cost; within the prediction's error of it, fewest tokens computed.
         band = self.error.get(0.0) if rates[0] is not None else 0.0
         # The rail (module doc): a queue past the least by more than this whole prefill and the
         # excess it would spare, beyond the prediction's error.
         least_ahead = min(ahead)
-        bounds = [least_ahead + (1.0 + busy) * prompt_tokens / (rates[i] or 1.0) + band for i in range(n)]
+        bounds = [least_ahead + (1.0 + busy) * prompt_tokens / speed[i] + band for i in range(n)]
         rails: list[str | None] = ["wait" if ahead[i] > bounds[i] else None for i in range(n)]
         fits = [i for i in range(n) if rails[i] is None]
         if fits:
