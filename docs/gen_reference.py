@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import contextlib
+import gc
 import inspect
 import io
 import json
@@ -179,15 +181,33 @@ def _description(model: type[BaseModel], name: str, field: FieldInfo) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No garbage collection while the source is parsed (`inspect.getsource` parses too). On CPython
+    3.11 a collection inside a parse can run a finalizer that logs a traceback; 3.11 parses each
+    traceback line to place its carets, and that nested parse resets the AST constructor's depth
+    counter under the outer one: `SystemError: AST constructor recursion depth mismatch` (the family
+    of python/cpython#106905). CI hit it once, with a finished test's pending task collected there."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _comments(cls: type) -> dict[str, str]:
     """Field name -> the comment lines just above its declaration, then any comment beside it."""
-    source = textwrap.dedent(inspect.getsource(cls))
+    with _collector_paused():
+        source = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(source)
     lines = source.splitlines()
     beside: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT and not lines[tok.start[0] - 1].lstrip().startswith("#"):
             beside[tok.start[0]] = tok.string.lstrip("#").strip()
-    body = ast.parse(source).body[0]
+    body = tree.body[0]
     assert isinstance(body, ast.ClassDef)
     found = {}
     group: list[str] = []  # the comment above a run of fields with no blank line between them
