@@ -86,6 +86,9 @@ class EngineStats:
     cached_tokens: OrderedDict[str, int] = field(default_factory=OrderedDict)
     # (request id, wall-clock time of the abort), most recent last.
     aborts: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=RECENT))
+    # Preemptions (vllm:num_preemptions), and the request ids preempted, most recent last.
+    preemptions: int = 0
+    preempted: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT))
     # vLLM's per-request prefill histograms, observed when a sequence finishes (never on a
     # client's abort: vLLM drops an aborted request's stats): seconds from its scheduling to
     # its first token, in the timing model's scaled time, and its prompt tokens not served
@@ -107,6 +110,10 @@ class EngineStats:
         self.prefill_seconds.observe(seconds)
         self.prefill_computed_tokens.observe(computed_tokens)
 
+    def record_preemption(self, request_id: str) -> None:
+        self.preemptions += 1
+        self.preempted.append(request_id)
+
     def record_abort(self, request_id: str) -> None:
         self.aborted += 1
         self.aborts.append((request_id, time.time()))
@@ -122,6 +129,8 @@ class EngineStats:
             "last_cached_tokens": self.last_cached_tokens,
             "cached_tokens": dict(self.cached_tokens),
             "aborts": [{"id": rid, "time": t} for rid, t in self.aborts],
+            "preemptions": self.preemptions,
+            "preempted": list(self.preempted),
             "prefills": self.prefill_seconds.count,
             "prefill_seconds_sum": self.prefill_seconds.sum,
             "prefill_computed_tokens_sum": self.prefill_computed_tokens.sum,
