@@ -319,7 +319,9 @@ class Engine:
                     # itself for ever.
                     break
                 if self.policy == "priority":
-                    victim = max(self._running, key=lambda s: s.sort_key)
+                    # (priority, arrival) only: among equals (an n > 1 request's choices) max
+                    # takes the first in running order, as vLLM's key does.
+                    victim = max(self._running, key=lambda s: s.sort_key[:2])
                 else:
                     victim = self._running[-1]
                 victim_index = self._running.index(victim)
