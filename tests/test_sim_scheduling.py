@@ -227,6 +227,10 @@ async def test_preemption_over_http_and_its_metrics(policy: Policy, victim: str)
             assert 'vllm:num_preemptions_total{engine="0",model_name="sim-model"} 1.0' in text
             assert 'vllm:num_requests_waiting_by_reason{engine="0",model_name="sim-model",reason="capacity"} 0.0' \
                 in text
+            # Per finished request (the aborted blocker is not one): both in the first bucket, one
+            # preempted once, the other never.
+            assert 'vllm:request_num_preemptions_bucket{engine="0",model_name="sim-model",le="1.0"} 2.0' in text
+            assert 'vllm:request_num_preemptions_sum{engine="0",model_name="sim-model"} 1.0' in text
         await client.close()
 
 

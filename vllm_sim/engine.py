@@ -397,7 +397,7 @@ class Engine:
             self.stats.generation_tokens += 1
             if done:
                 self._free(seq)
-                self.stats.record_prefill(seq.prefill_s, seq.computed)
+                self.stats.record_prefill(seq.prefill_s, seq.computed, seq.preemptions)
                 if seq.gen.finished:
                     self.stats.record_finish(reason or "stop")
             else:

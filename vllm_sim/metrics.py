@@ -92,4 +92,6 @@ def render_metrics(config: SimConfig, engine: Engine) -> str:
     _histogram(lines, "vllm:request_prefill_kv_computed_tokens",
                "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
                base, stats.prefill_computed_tokens, config.max_model_len)
+    _histogram(lines, "vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
+               base, stats.request_preemptions)
     return "\n".join(lines) + "\n"
