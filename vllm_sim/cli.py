@@ -12,6 +12,7 @@ import sys
 from vllm_sim.config import SimConfig
 from vllm_sim.faults import Faults
 from vllm_sim.timing import TimingModel
+from vllm_sim.waiting import POLICIES
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--time-scale", type=float, default=t.time_scale,
                         help="multiply every duration (0.01 = 100x faster, 0 = no sleeping)")
     timing.add_argument("--max-num-seqs", type=int, default=t.max_num_seqs)
+    timing.add_argument("--scheduling-policy", choices=POLICIES, default=d.scheduling_policy,
+                        help="vLLM's: fcfs, or priority (lower 'priority' first, ties by arrival; "
+                             "preemption takes the lowest priority)")
     timing.add_argument("--prefill-base-s", type=float, default=t.prefill_base_s)
     timing.add_argument("--prefill-s-per-token", type=float, default=t.prefill_s_per_token)
     timing.add_argument("--decode-base-s", type=float, default=t.decode_base_s)
@@ -107,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         host=args.host, port=args.port, model=models[0], extra_models=tuple(models[1:]), tokenizer=args.tokenizer,
         lora_modules=_lora_modules(args.lora_modules),
         num_gpu_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
-        timing=timing, embedding_dim=args.embedding_dim, faults=faults, name=args.name, seed=args.seed,
+        timing=timing, scheduling_policy=args.scheduling_policy, embedding_dim=args.embedding_dim, faults=faults,
+        name=args.name, seed=args.seed,
         kv_hash=args.kv_hash, hash_seed=args.hash_seed, kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
         kv_events_buffer=args.kv_events_buffer, kv_events_int_hashes=not args.kv_events_bytes_hashes,

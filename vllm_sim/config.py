@@ -7,6 +7,7 @@ from typing import Literal
 
 from vllm_sim.faults import Faults
 from vllm_sim.timing import TimingModel
+from vllm_sim.waiting import POLICIES, Policy
 
 __all__ = ["SimConfig"]
 
@@ -26,6 +27,9 @@ class SimConfig:
     block_size: int = 16
     max_model_len: int = 32768
     timing: TimingModel = field(default_factory=TimingModel)
+    # vLLM's --scheduling-policy: the waiting queue's order and whom preemption takes
+    # (vllm_sim.waiting). Under fcfs a request's priority is accepted and ignored, as in vLLM.
+    scheduling_policy: Policy = "fcfs"
     embedding_dim: int = 64
     # A Hugging Face tokenizer directory (vllm_sim.tokenizer_dir builds one): prompts are
     # rendered and tokenized as vLLM would (vllm_sim.hf_tokenizer) instead of by the
@@ -57,6 +61,8 @@ class SimConfig:
             raise ValueError("num_gpu_blocks and block_size must be >= 1")
         if self.max_model_len < 1 or self.embedding_dim < 1:
             raise ValueError("max_model_len and embedding_dim must be >= 1")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"Unknown scheduling policy: {self.scheduling_policy}")
         self.faults.validate()
 
     @property

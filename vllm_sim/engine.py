@@ -1,13 +1,22 @@
 """An asyncio engine that schedules requests the way vLLM's V1 scheduler does, in scaled time.
 
-One background task runs engine *steps*. Each step first admits waiting
-sequences first-come first-served while fewer than ``max_num_seqs`` run and
-their KV blocks fit (the waiting queue is unbounded, like vLLM's); then it
-sleeps for the step's duration (prefill of the newly admitted sequences'
-uncached tokens plus one decode step of the whole batch); then every running
-sequence emits one token. So a request's time to first token is its queueing
-plus one step whose length depends on its cache hit, and its inter-token time
-grows with the batch it shares.
+One background task runs engine *steps*. Each step first gives every running
+sequence the KV slot its next token needs, preempting when the pool is full
+(``_schedule_running``, vLLM's ``Scheduler.schedule``); then, if nobody was
+preempted, admits waiting sequences in the queue's order (``vllm_sim.waiting``:
+first-come or by priority, vLLM's ``--scheduling-policy``) while fewer than
+``max_num_seqs`` run and their KV blocks fit (the waiting queue is unbounded,
+like vLLM's); then it sleeps for the step's duration (prefill of the newly
+admitted sequences' uncached tokens plus one decode step of the whole batch);
+then every running sequence emits one token. So a request's time to first
+token is its queueing plus one step whose length depends on its cache hit,
+and its inter-token time grows with the batch it shares.
+
+A preempted sequence loses its blocks (its hashed prompt blocks stay cached,
+as a freed request's do) and goes back to the waiting queue; when it is
+admitted again it recomputes its prompt and the tokens it already produced
+(vLLM V1 preempts by recompute only), less what the prefix cache still holds,
+and carries on where it stopped: the client sees a pause, not a repeat.
 
 Each sequence that finishes is counted in vLLM's two prefill histograms: the
 step it was admitted in (from its scheduling to its first token, as vLLM times
@@ -26,8 +35,8 @@ an abort is counted, at once and not at the next step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -36,6 +45,7 @@ from vllm_sim.kv import Allocation, KVPool, PoolEvent
 from vllm_sim.reply import ReplyWriter, default_length, reply_seed
 from vllm_sim.stats import EngineStats
 from vllm_sim.timing import TimingModel
+from vllm_sim.waiting import FCFSQueue, Policy, PriorityQueue, waiting_queue
 
 __all__ = ["Engine", "GenRequest", "Generation", "TokenEvent", "PromptTooLong"]
 
@@ -62,6 +72,9 @@ class GenRequest:
     hold_s: float = 0.0
     # The LoRA adapter the request names, as (name, path): it goes into every block's hash.
     lora: tuple[str, str] | None = None
+    # vLLM's request priority: lower is served first under --scheduling-policy priority
+    # (ignored under fcfs, as vLLM ignores it).
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -74,11 +87,15 @@ class TokenEvent:
 class _Seq:
     """One choice of a request as the scheduler sees it."""
 
-    __slots__ = ("gen", "index", "writer", "target", "produced", "allocation", "computed", "prefill_s")
+    __slots__ = ("gen", "index", "writer", "target", "produced", "allocation", "computed", "prefill_s",
+                 "sort_key", "preemptions")
 
-    def __init__(self, gen: Generation, index: int, target: int, seed: int) -> None:
+    def __init__(self, gen: Generation, index: int, target: int, seed: int, arrival: int) -> None:
         self.gen = gen
         self.index = index
+        # Its place in a priority queue: vLLM's Request.__lt__ order, (priority, arrival).
+        self.sort_key = (gen.request.priority, arrival, index)
+        self.preemptions = 0
         self.writer = ReplyWriter(seed)
         self.target = target
         self.produced = 0
@@ -135,11 +152,14 @@ class Generation:
 class Engine:
     """Continuous batching over a ``KVPool`` with a ``TimingModel``; one per simulated replica."""
 
-    def __init__(self, pool: KVPool, timing: TimingModel, stats: EngineStats | None = None) -> None:
+    def __init__(self, pool: KVPool, timing: TimingModel, stats: EngineStats | None = None,
+                 policy: Policy = "fcfs") -> None:
         self.pool = pool
         self.timing = timing
         self.stats = stats if stats is not None else EngineStats()
-        self._waiting: deque[_Seq] = deque()
+        self.policy = policy
+        self._waiting: FCFSQueue[_Seq] | PriorityQueue[_Seq] = waiting_queue(policy)
+        self._arrivals = itertools.count()
         self._held: dict[Generation, tuple[asyncio.TimerHandle, list[_Seq]]] = {}
         self._running: list[_Seq] = []
         self._wake = asyncio.Event()
@@ -193,10 +213,11 @@ class Engine:
         hashes = self.pool.hash_prompt(request.prompt_tokens, request.cache_salt, request.lora)
         gen = Generation(request, hashes)
         seqs = []
+        arrival = next(self._arrivals)
         for index in range(request.n):
             seed = reply_seed(request.prompt_tokens, index)
             target = request.max_tokens if request.max_tokens is not None else default_length(seed)
-            seqs.append(_Seq(gen, index, max(1, target), seed))
+            seqs.append(_Seq(gen, index, max(1, target), seed, arrival))
         self.stats.requests += 1
         if request.hold_s > 0:
             handle = asyncio.get_running_loop().call_later(request.hold_s, self._enqueue_held, gen)
@@ -206,7 +227,8 @@ class Engine:
         return gen
 
     def _enqueue(self, seqs: list[_Seq]) -> None:
-        self._waiting.extend(seqs)
+        for seq in seqs:
+            self._waiting.add(seq)
         self._ensure_task()
         self._wake.set()
 
@@ -219,7 +241,7 @@ class Engine:
         held = self._held.pop(gen, None)
         if held is not None:
             held[0].cancel()
-        self._waiting = deque(s for s in self._waiting if s.gen is not gen)
+        self._waiting.remove_where([s for s in self._waiting if s.gen is gen])
         kept = []
         for seq in self._running:
             if seq.gen is gen:
@@ -248,8 +270,11 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 self._deadline = loop.time()
+            preempted = self._schedule_running()
             decoding = len(self._running)
-            uncached = self._admit()
+            # vLLM admits nobody in a step that preempted (the freed blocks go to the
+            # running requests that needed them, not to newcomers).
+            uncached = 0 if preempted else self._admit()
             duration = 0.0
             if len(self._running) > decoding:
                 duration += self.timing.prefill_time(uncached)
@@ -257,7 +282,8 @@ class Engine:
                 duration += self.timing.decode_step_time(len(self._running))
             # Admitted now, first token when this step ends: the step is their prefill time.
             for seq in self._running[decoding:]:
-                seq.prefill_s = duration
+                if not seq.preemptions:
+                    seq.prefill_s = duration
             await self._sleep_until_step_end(loop, duration)
             self.publish_kv_events()
             self._emit_tokens()
@@ -269,22 +295,81 @@ class Engine:
             if events:
                 self.on_kv_events(events)
 
+    def _schedule_running(self) -> bool:
+        """Give each running sequence the slot for its next token, preempting when blocks run out.
+
+        vLLM 0.33's ``Scheduler.schedule`` (its loop over ``self.running``): when
+        ``allocate_slots`` fails it preempts, under ``priority``, the running request
+        with the largest (priority, arrival), else the last one admitted, and tries
+        again; a request that preempts itself stops there (under ``priority`` the
+        ones after it are still served, as they are higher in priority). Returns
+        whether anything was preempted.
+        """
+        preempted = False
+        i = 0
+        while i < len(self._running):
+            seq = self._running[i]
+            allocation = seq.allocation
+            need = seq.gen.prompt_tokens + seq.produced - (allocation.num_tokens if allocation else 0)
+            while allocation is not None and need > 0 and not self.pool.grow(allocation, need):
+                if len(self._running) == 1:
+                    # Alone and still out of blocks: vLLM never gets here (it refuses at start-up
+                    # a max_model_len its KV cache cannot hold); the simulator allows small pools,
+                    # so the sequence runs on with its growth uncounted rather than preempting
+                    # itself for ever.
+                    break
+                if self.policy == "priority":
+                    # (priority, arrival) only: among equals (an n > 1 request's choices) max
+                    # takes the first in running order, as vLLM's key does.
+                    victim = max(self._running, key=lambda s: s.sort_key[:2])
+                else:
+                    victim = self._running[-1]
+                victim_index = self._running.index(victim)
+                del self._running[victim_index]
+                if victim_index < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.allocation is None:  # it preempted itself
+                if self.policy == "priority":
+                    continue  # the next one now sits at i
+                break
+            i += 1
+        return preempted
+
+    def _preempt(self, seq: _Seq) -> None:
+        """vLLM's ``Scheduler._preempt_request``: free the blocks, back to the waiting queue, recompute."""
+        self._free(seq)
+        seq.preemptions += 1
+        self.stats.record_preemption(seq.gen.request.request_id)
+        self._waiting.prepend(seq)
+
     def _admit(self) -> int:
         """Move waiting sequences to running while slots and blocks allow; returns prefill tokens."""
         uncached = 0
         while self._waiting and len(self._running) < self.timing.max_num_seqs:
-            seq = self._waiting[0]
+            seq = self._waiting.peek()
             gen = seq.gen
             lora = gen.request.lora
-            allocation = self.pool.allocate(gen.hashes, gen.prompt_tokens, gen.request.prompt_tokens,
-                                            gen.request.cache_salt, lora[0] if lora else None)
+            resumed = seq.preemptions > 0
+            # A resumed sequence recomputes what it had produced too; those tokens have no hashes.
+            total = gen.prompt_tokens + seq.produced
+            allocation = self.pool.allocate(gen.hashes, total, gen.request.prompt_tokens,
+                                            gen.request.cache_salt, lora[0] if lora else None,
+                                            count=not resumed)
             if allocation is None:
-                break  # FCFS: the head waits for blocks; nobody overtakes it
-            self._waiting.popleft()
+                break  # the head waits for blocks; nobody overtakes it (vLLM breaks here too)
+            self._waiting.pop()
             seq.allocation = allocation
             self._running.append(seq)
-            seq.computed = gen.prompt_tokens - allocation.cached_tokens
-            uncached += seq.computed
+            computed = total - allocation.cached_tokens
+            uncached += computed
+            if resumed:
+                # vLLM's prefill statistics keep the first scheduling, not the repeats.
+                continue
+            seq.computed = computed
             if seq.index == 0:
                 gen.cached_tokens = allocation.cached_tokens
                 self.stats.prompt_tokens += gen.prompt_tokens
@@ -308,14 +393,11 @@ class Engine:
             reason = None
             if done:
                 reason = "length" if seq.gen.request.max_tokens is not None else "stop"
-            elif seq.allocation is not None:
-                # A full pool only stops decode growth from being counted; vLLM would preempt.
-                self.pool.grow(seq.allocation, 1)
             seq.gen._push(TokenEvent(seq.index, seq.writer.next_token(), reason))
             self.stats.generation_tokens += 1
             if done:
                 self._free(seq)
-                self.stats.record_prefill(seq.prefill_s, seq.computed)
+                self.stats.record_prefill(seq.prefill_s, seq.computed, seq.preemptions)
                 if seq.gen.finished:
                     self.stats.record_finish(reason or "stop")
             else:

@@ -25,6 +25,7 @@ from vllm_sim.asgi import (
 )
 from vllm_sim.engine import GenRequest, Generation, PromptTooLong, TokenEvent
 from vllm_sim.faults import Faults, fault_reply
+from vllm_sim.priority import header_priority
 from vllm_sim.protocol import (
     GenerationParams, Kind, parse_generation, parse_json, prompt_tokens, resolve_max_tokens,
 )
@@ -107,6 +108,9 @@ async def open_request(replica: Replica, receive: Receive, sender: Sender,
 class GenerationEndpoint:
     """The ASGI app behind one generation route."""
 
+    # vLLM's chat and completions models have a ``priority`` field (Messages' has none).
+    takes_priority = True
+
     def __init__(self, replica: Replica, kind: Kind) -> None:
         self.replica = replica
         self.kind = kind
@@ -120,6 +124,8 @@ class GenerationEndpoint:
         raw, faults = opened
         try:
             request, fmt, stream = await self._prepare(raw, faults)
+            if self.takes_priority:
+                request.priority = header_priority(scope.get("headers") or (), request.priority)
         except wire.ApiError as exc:
             await sender.json(exc.status, self._error_body(exc))
             return
@@ -151,7 +157,8 @@ class GenerationEndpoint:
             raise wire.ApiError(400, str(exc), param="prompt") from None
         rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         request = GenRequest(rid, tokens, max_tokens, params.n, params.cache_salt,
-                             hold_s=faults.stall_before_first_token_s, lora=config.lora(params.model))
+                             hold_s=faults.stall_before_first_token_s, lora=config.lora(params.model),
+                             priority=params.priority)
         return request, self._format(params, request), params.stream
 
     async def _stream(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:

@@ -170,12 +170,13 @@ class KVPool:
 
     # -- mutation ----------------------------------------------------------------------------
     def allocate(self, hashes: list[bytes], total_tokens: int, token_ids: Sequence[int] | None = None,
-                 salt: str | None = None, lora: str | None = None) -> Allocation | None:
+                 salt: str | None = None, lora: str | None = None, *, count: bool = True) -> Allocation | None:
         """Pin the reusable prefix and allocate blocks for the rest of a ``total_tokens`` prompt.
 
         ``hashes`` are the prompt's full-block hashes (``block_hashes``). Returns None,
         changing nothing, when the blocks cannot be found even after evicting every
-        cached block. Prefix-cache counters move only on success, once per admission.
+        cached block. Prefix-cache counters move only on success, once per admission, and
+        not with ``count=False`` (a preempted request resuming: vLLM counts those apart).
         ``token_ids``, ``salt`` and ``lora`` (the prompt's, the adapter's name) are what a
         ``Stored`` event reports.
         """
@@ -209,8 +210,9 @@ class KVPool:
             self._stored(hashes, run_start, min(needed, len(hashes)), token_ids, salt, lora)
         anonymous = new - (len(pinned) - hits)
         self._pinned += new
-        self.queries_tokens += total_tokens
-        self.hits_tokens += hits * self.block_size
+        if count:
+            self.queries_tokens += total_tokens
+            self.hits_tokens += hits * self.block_size
         return Allocation(pinned, anonymous, hits, hits * self.block_size, total_tokens)
 
     def _stored(self, hashes: Sequence[bytes], start: int, end: int, token_ids: Sequence[int] | None,

@@ -235,6 +235,9 @@ class _MessagesFormat(_Format):
 class MessagesEndpoint(GenerationEndpoint):
     """``POST /v1/messages``: the chat engine behind Anthropic's request and event shapes."""
 
+    # vLLM's AnthropicMessagesRequest has no priority: its requests all schedule at 0.
+    takes_priority = False
+
     def __init__(self, replica: Replica) -> None:
         super().__init__(replica, "chat")
 

@@ -59,6 +59,13 @@ def render_metrics(config: SimConfig, engine: Engine) -> str:
             "Number of requests in model execution batches.", [(base, engine.num_running)])
     _family(lines, "vllm:num_requests_waiting", "gauge",
             "Number of requests waiting to be processed.", [(base, engine.num_waiting)])
+    # Every simulated wait is for capacity: "deferred" is vLLM's LoRA budget, KV transfer
+    # or a blocked status, none of which the simulator has.
+    _family(lines, "vllm:num_requests_waiting_by_reason", "gauge",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+            "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+            "status). Sum of all reasons equals vllm:num_requests_waiting.",
+            [({**base, "reason": "capacity"}, engine.num_waiting), ({**base, "reason": "deferred"}, 0)])
     _family(lines, "vllm:kv_cache_usage_perc", "gauge",
             "KV-cache usage. 1 means 100 percent usage.", [(base, pool.usage)])
     _family(lines, "vllm:prefix_cache_queries_total", "counter",
@@ -73,6 +80,8 @@ def render_metrics(config: SimConfig, engine: Engine) -> str:
     reasons = {**stats.finished_by_reason, "abort": stats.aborted}
     _family(lines, "vllm:request_success_total", "counter", "Count of successfully processed requests.",
             [({**base, "finished_reason": r}, reasons.get(r, 0)) for r in ("stop", "length", "abort")])
+    _family(lines, "vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
+            [(base, stats.preemptions)])
     _family(lines, "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
             [(base, stats.prompt_tokens)])
     _family(lines, "vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
@@ -83,4 +92,6 @@ def render_metrics(config: SimConfig, engine: Engine) -> str:
     _histogram(lines, "vllm:request_prefill_kv_computed_tokens",
                "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
                base, stats.prefill_computed_tokens, config.max_model_len)
+    _histogram(lines, "vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
+               base, stats.request_preemptions)
     return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ import orjson
 
 from vllm_sim.config import SimConfig
 from vllm_sim.hf_tokenizer import HFPrompts
+from vllm_sim.priority import body_priority
 from vllm_sim.template import render_chat
 from vllm_sim.tokenizer import tokenize
 from vllm_sim.wire import ApiError
@@ -42,6 +43,8 @@ class GenerationParams:
     cache_salt: str | None
     # The request as sent, for a real tokenizer's chat template (HFPrompts).
     body: dict[str, Any] | None = None
+    # vLLM's scheduling priority (vllm_sim.priority); the Messages route has none.
+    priority: int = 0
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -95,7 +98,7 @@ def parse_generation(kind: Kind, body: dict[str, Any], config: SimConfig) -> Gen
     return GenerationParams(
         kind=kind, model=model, prompt_text=text, prompt_ids=ids, max_tokens=max_tokens,
         n=n or 1, stream=bool(stream), include_usage=bool(options and options.get("include_usage")),
-        cache_salt=salt, body=body,
+        cache_salt=salt, body=body, priority=body_priority(body),
     )
 
 

@@ -28,7 +28,7 @@ class Replica:
         self.config = config
         self.pool = KVPool(config.num_gpu_blocks, config.block_size, events=bool(config.kv_events),
                            hasher=_hasher(config))
-        self.engine = Engine(self.pool, config.timing)
+        self.engine = Engine(self.pool, config.timing, policy=config.scheduling_policy)
         self.publisher: KVEventPublisher | None = None
         if config.kv_events:
             self.publisher = KVEventPublisher(

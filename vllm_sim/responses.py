@@ -19,7 +19,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import orjson
 from starlette.requests import Request
@@ -30,6 +30,7 @@ from vllm_sim.asgi import Receive, Send, Sender, run_until_disconnect
 from vllm_sim.engine import GenRequest, PromptTooLong
 from vllm_sim.faults import Faults
 from vllm_sim.handlers import open_request
+from vllm_sim.priority import body_priority, header_priority
 from vllm_sim.protocol import GenerationParams, parse_json, prompt_tokens, resolve_max_tokens, resolve_model
 from vllm_sim.replica import Replica
 from vllm_sim.responses_wire import Shape, event, response_usage
@@ -107,7 +108,7 @@ class ResponsesApi:
             return
         raw, faults = opened
         try:
-            job = await self._prepare(raw, faults)
+            job = await self._prepare(raw, faults, scope.get("headers") or ())
         except wire.ApiError as exc:
             await sender.json(exc.status, exc.body())
             return
@@ -120,7 +121,7 @@ class ResponsesApi:
         work = self._stream(sender, job, faults) if job.stream else self._unary(sender, job, faults)
         await run_until_disconnect(work, receive, sender)
 
-    async def _prepare(self, raw: bytes, faults: Faults) -> _Job:
+    async def _prepare(self, raw: bytes, faults: Faults, headers: Iterable[tuple[bytes, bytes]] = ()) -> _Job:
         config = self.replica.config
         body = parse_json(raw)
         model = resolve_model(body, config)
@@ -151,6 +152,7 @@ class ResponsesApi:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise wire.ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
                                 param="cache_salt")
+        priority = header_priority(headers, body_priority(body))
         params = GenerationParams("chat", model, render_chat([*system, *messages], tools), None, max_tokens, 1,
                                   bool(body.get("stream")), False, salt)
         tokens = await prompt_tokens(params)
@@ -164,7 +166,7 @@ class ResponsesApi:
         limit = max_tokens if max_tokens is not None else config.max_model_len - len(tokens)
         shape = Shape(rid, "msg_" + uuid.uuid4().hex, int(time.time()), model, body, limit)
         request = GenRequest(rid, tokens, max_tokens, 1, salt, hold_s=faults.stall_before_first_token_s,
-                             lora=config.lora(model))
+                             lora=config.lora(model), priority=priority)
         return _Job(request, shape, messages, params.stream, bool(store), background)
 
     def _final(self, job: _Job, gen: Any) -> dict[str, Any]:

@@ -24,6 +24,10 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 
+# vllm.v1.metrics.buckets.REQUEST_NUM_PREEMPTIONS_BUCKETS.
+PREEMPTION_BUCKETS: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+
+
 def tokens_buckets(max_value: int) -> tuple[float, ...]:
     """vLLM's 1-2-5 series up to ``max_value`` (``build_1_2_5_buckets(max_model_len)``), for token counts."""
     out: list[float] = []
@@ -86,12 +90,17 @@ class EngineStats:
     cached_tokens: OrderedDict[str, int] = field(default_factory=OrderedDict)
     # (request id, wall-clock time of the abort), most recent last.
     aborts: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=RECENT))
+    # Preemptions (vllm:num_preemptions), and the request ids preempted, most recent last.
+    preemptions: int = 0
+    preempted: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT))
     # vLLM's per-request prefill histograms, observed when a sequence finishes (never on a
     # client's abort: vLLM drops an aborted request's stats): seconds from its scheduling to
     # its first token, in the timing model's scaled time, and its prompt tokens not served
     # from the prefix cache.
     prefill_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
     prefill_computed_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    # Times each finished sequence was preempted (vllm:request_num_preemptions).
+    request_preemptions: Histogram = field(default_factory=lambda: Histogram(PREEMPTION_BUCKETS))
 
     def record_cached(self, request_id: str, tokens: int) -> None:
         self.last_cached_tokens = tokens
@@ -103,9 +112,15 @@ class EngineStats:
         self.completed += 1
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
 
-    def record_prefill(self, seconds: float, computed_tokens: int) -> None:
+    def record_prefill(self, seconds: float, computed_tokens: int, preemptions: int = 0) -> None:
+        """A finished sequence's prefill figures and how often it was preempted."""
         self.prefill_seconds.observe(seconds)
         self.prefill_computed_tokens.observe(computed_tokens)
+        self.request_preemptions.observe(preemptions)
+
+    def record_preemption(self, request_id: str) -> None:
+        self.preemptions += 1
+        self.preempted.append(request_id)
 
     def record_abort(self, request_id: str) -> None:
         self.aborted += 1
@@ -122,6 +137,8 @@ class EngineStats:
             "last_cached_tokens": self.last_cached_tokens,
             "cached_tokens": dict(self.cached_tokens),
             "aborts": [{"id": rid, "time": t} for rid, t in self.aborts],
+            "preemptions": self.preemptions,
+            "preempted": list(self.preempted),
             "prefills": self.prefill_seconds.count,
             "prefill_seconds_sum": self.prefill_seconds.sum,
             "prefill_computed_tokens_sum": self.prefill_computed_tokens.sum,
