@@ -29,6 +29,7 @@ from gateway.observe.endpoint_stats import EndpointStats
 from . import redis_client
 from gateway.observe.metrics import Metrics
 from .routing_sync import RoutingSync
+from gateway.proxy.admission import Admission
 from gateway.proxy.pool import PoolEvents, Replica, ReplicaPool
 from gateway.apis.responses.ids import ResponseIds, derive_id_key
 from .settings import Settings
@@ -87,12 +88,14 @@ class Runtime:
         self.transport = transport or LeanTransport(max_idle_per_origin=settings.pool.max_connections)
         self.client = make_client(settings, self.transport)
         self.metrics = Metrics(lambda: self.pool, cache=lambda: self.cache, policy=lambda: self.policy,
-                               kv_events=lambda: self.kv_events,
+                               kv_events=lambda: self.kv_events, admission=lambda: self.admission,
                                multiprocess_dir=worker.metrics_dir if worker else None)
         self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,
                                 events=PoolEvents(on_eject=self._on_eject, on_failure=self._on_failure,
-                                                  on_adapters=self._on_adapters),
+                                                  on_adapters=self._on_adapters,
+                                                  on_release=lambda r: self.admission.released(r),
+                                                  on_refresh=lambda: self.admission.pump()),
                                 transport=self.transport)
         # Precise mode's truth: the replicas' KV events (routing.kv_events), when any publish them.
         self.kv_events: KVEvents | None = _make_kv_events(settings)
@@ -110,6 +113,9 @@ class Runtime:
             TenantRegistry(settings.tenants, secret, store),
             RateLimiter(self.redis, timeout_s=settings.redis_timeout_s), self.hygiene,
             boundary_marker=settings.routing.boundary_marker, scans=scan_memo())
+        # The fair queue: on when tenants are configured (a runtime tenant created later turns it on).
+        self.admission = Admission(self.pool, metrics=self.metrics, active=lambda: (
+            self.settings.pool.fair_queue and not self.engine.registry.open_mode))
         self.cache: SemanticCache | None = None
         self.tenant_stats = TenantStats()
         self.decision_times = DecisionTimes()
@@ -154,7 +160,13 @@ class Runtime:
         await self.pool.start()
         self.started = True
 
+    def close_queue(self) -> None:
+        """Answer every request waiting in the fair queue with a 503, and queue none from now
+        on: called as the listeners close, before the grace for requests in flight."""
+        self.admission.close()
+
     async def stop(self) -> None:
+        self.close_queue()  # again, for a runtime stopped without a signal (tests, embedding)
         for task in list(self.background):
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)

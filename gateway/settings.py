@@ -67,6 +67,12 @@ class ReplicaSettings(_Section):
     # on what the replica really holds (routing.kv_events).
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    # The replica's vLLM --scheduling-policy. Only "priority" accepts a non-zero `priority`
+    # field, so tenants' classes (policies.priority) are sent to such replicas only.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Requests in flight and waiting at the replica, fleet-wide, past which kvgate queues them
+    # itself (gateway.proxy.admission). Unset: learned from what the replica reports on /metrics.
+    max_in_flight: int | None = Field(None, ge=1)
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod
@@ -131,6 +137,9 @@ class PoolSettings(_Section):
     max_attempts: int = Field(3, ge=1, le=10)
     # Connections kept per replica by the shared HTTP client.
     max_connections: int = Field(1024, ge=1)
+    # With tenants configured, requests past every replica's admission limit wait in kvgate's
+    # per-tenant fair queue (gateway.proxy.admission). Off: they go to the replicas' own queues.
+    fair_queue: bool = True
 
 
 class Settings(_Section):

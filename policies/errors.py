@@ -7,6 +7,8 @@
     │   └── ApiKeyInQuery               "api_key_in_query"
     ├── TenantsUnavailable        503   tenants live in a store that has never loaded
     ├── ModelNotAllowed           404   "model_not_found": indistinguishable from a missing model
+    ├── InvalidPriority           400   "invalid_priority": x-kvgate-priority names no class, or
+    │                                   one above the tenant's
     └── RateLimited               429   "rate_limit_exceeded" + retry_after_s
 
     AdminError                          raised by the runtime tenant API only
@@ -85,6 +87,13 @@ class ModelNotAllowed(PolicyError):
         shown = model if len(model) <= 64 else model[:61] + "..."
         super().__init__(f"The model '{shown}' does not exist or you do not have access to it.",
                          param="model")
+
+
+class InvalidPriority(PolicyError):
+    code = "invalid_priority"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="x-kvgate-priority")
 
 
 class RateLimited(PolicyError):

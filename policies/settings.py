@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-__all__ = ["TenantSettings"]
+__all__ = ["PriorityClass", "TenantSettings"]
+
+# Scheduling classes, most urgent first (``policies.priority`` maps them to vLLM's ``priority``).
+PriorityClass = Literal["interactive", "standard", "batch"]
 
 
 class _Section(BaseModel):
@@ -28,6 +33,14 @@ class TenantSettings(_Section):
     sort_tools: bool = False
     # Scan prompts for volatile content above the cache boundary; warn in x-kvgate-prefix-warning.
     prompt_hygiene: bool = True
+    # Scheduling class: sets vLLM's ``priority`` on replicas that schedule by priority, and the band
+    # of kvgate's own queue. A request may lower its class (x-kvgate-priority), never raise it.
+    priority: PriorityClass = "standard"
+    # The tenant's share of the fleet when it is full: queued work (prompt tokens) is served in
+    # proportion to weight among tenants of one class (weighted fair queueing, policies.fair_queue).
+    weight: float = Field(1.0, gt=0, le=1000)
+    # Longest a request waits in kvgate's queue for a free replica slot before a 429 with Retry-After.
+    queue_timeout_s: float = Field(30.0, gt=0, le=3600)
 
     @property
     def cache_namespace(self) -> str:

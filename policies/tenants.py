@@ -67,6 +67,9 @@ class Tenant:
     normalize_tools: bool = False
     sort_tools: bool = False
     prompt_hygiene: bool = True
+    priority: str = "standard"  # policies.priority's class
+    weight: float = 1.0
+    queue_timeout_s: float = 30.0
 
 
 def tenant_from_settings(s: TenantSettings, secret: str | bytes) -> Tenant:
@@ -76,6 +79,7 @@ def tenant_from_settings(s: TenantSettings, secret: str | bytes) -> Tenant:
         models=frozenset(s.models) if s.models is not None else None,
         semantic_cache=s.semantic_cache, rpm=s.requests_per_minute, tpm=s.tokens_per_minute,
         normalize_tools=s.normalize_tools, sort_tools=s.sort_tools, prompt_hygiene=s.prompt_hygiene,
+        priority=s.priority, weight=s.weight, queue_timeout_s=s.queue_timeout_s,
     )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from starlette.applications import Starlette
@@ -47,6 +47,8 @@ class ReplicaIn(_Body):
     url: str
     weight: float = Field(1.0, gt=0, le=1000)
     models: list[str] = Field(default_factory=list, max_length=64)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_in_flight: int | None = Field(None, ge=1, le=1_000_000)
 
     @field_validator("url")
     @classmethod
@@ -140,7 +142,8 @@ def _routes(rt: Runtime) -> list[Route]:
             err = BadRequest(f"replica {body.name!r} already exists", param="name", code="conflict")
             err.status = 409
             raise err
-        await operations.add_replica(rt, body.name, body.url, weight=body.weight, models=body.models)
+        await operations.add_replica(rt, body.name, body.url, weight=body.weight, models=body.models,
+                                     scheduling_policy=body.scheduling_policy, max_in_flight=body.max_in_flight)
         return JSONResponse(_replica_row(rt, body.name), status_code=201)
 
     def _named(request: Request) -> str:

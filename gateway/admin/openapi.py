@@ -50,7 +50,11 @@ _SCHEMAS: dict[str, Any] = {
     "ReplicaIn": {"type": "object", "additionalProperties": False, "required": ["name", "url"], "properties": {
         "name": _NAME, "url": {"type": "string", "example": "http://127.0.0.1:9001"},
         "weight": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1000},
-        "models": {"type": "array", "items": {"type": "string"}, "maxItems": 64}}},
+        "models": {"type": "array", "items": {"type": "string"}, "maxItems": 64},
+        "scheduling_policy": {"type": "string", "enum": ["fcfs", "priority"],
+                              "description": "the replica's vLLM --scheduling-policy"},
+        "max_in_flight": {"type": "integer", "minimum": 1, "nullable": True,
+                          "description": "admission limit; unset: learned from the replica's /metrics"}}},
     "PurgeIn": {"type": "object", "additionalProperties": False, "properties": {
         "tenant": {"type": "string", "maxLength": 64, "nullable": True},
         "model": {"type": "string", "maxLength": 256, "nullable": True},

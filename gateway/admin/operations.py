@@ -31,8 +31,10 @@ def is_tenant_key(rt: Runtime, key: str) -> bool:
 
 
 async def add_replica(rt: Runtime, name: str, url: str, *, weight: float = 1.0,
-                      models: list[str] | None = None) -> None:
-    replica = rt.pool.add(name, url, weight=weight, models=models or (), source="admin")
+                      models: list[str] | None = None, scheduling_policy: str = "fcfs",
+                      max_in_flight: int | None = None) -> None:
+    replica = rt.pool.add(name, url, weight=weight, models=models or (), source="admin",
+                          scheduling_policy=scheduling_policy, max_in_flight=max_in_flight)
     await rt.pool.check(replica)
     rt.sync_kv_events()
 
@@ -108,7 +110,8 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
             rt.pool.remove(name)
     for name, spec in wanted.items():
         if name not in rt.pool.replicas:
-            rt.pool.add(name, spec.url, weight=spec.weight, models=spec.models)
+            rt.pool.add(name, spec.url, weight=spec.weight, models=spec.models,
+                        scheduling_policy=spec.scheduling_policy, max_in_flight=spec.max_in_flight)
     rt.settings = rt.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
                                                  "timeouts": new.timeouts})
     rt.policy = rt.make_policy(new.routing)
@@ -132,6 +135,7 @@ def status(rt: Runtime) -> dict[str, Any]:
     return {"replicas": replicas, "tenants": tenants, "totals": rt.tenant_stats.totals(),
             "endpoints": rt.endpoint_stats.rows(),
             "hygiene": report, "cache": cache_stats(rt), "routing": routing_stats(rt),
+            "queue": rt.admission.stats(),
             "ready": readiness(rt)[1], "workers": workers(rt)}
 
 

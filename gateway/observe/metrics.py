@@ -160,10 +160,37 @@ class _KVEventsCollector(Collector):
         yield from (precise, received, gaps, blocks, checks)
 
 
+class _QueueCollector(Collector):
+    """The fair queue now (gateway.proxy.admission): requests waiting, per tenant, and each
+    replica's admission limit for this instance."""
+
+    def __init__(self, admission: Callable[[], Any]) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[Metric]:
+        admission = self._admission()
+        if admission is None:
+            return
+        depth = GaugeMetricFamily("kvgate_queue_depth", "requests waiting in kvgate's fair queue for a replica "
+                                  "slot, per tenant", labels=["tenant"])
+        for tenant, n in sorted(admission.depths().items()):
+            depth.add_metric([tenant], n)
+        limit = GaugeMetricFamily("kvgate_replica_admission_limit",
+                                  "requests this instance sends the replica before queueing (configured "
+                                  "max_in_flight or learned capacity, less other clients' load); absent: none",
+                                  labels=["replica"])
+        for r in admission.pool.replicas.values():
+            value = admission.limit(r)
+            if value is not None:
+                limit.add_metric([r.name], value)
+        yield depth
+        yield limit
+
+
 class Metrics:
     def __init__(self, pool: Callable[[], ReplicaPool | None] = lambda: None, *,
                  cache: Callable[[], Any] = lambda: None, policy: Callable[[], Any] = lambda: None,
-                 kv_events: Callable[[], Any] = lambda: None,
+                 kv_events: Callable[[], Any] = lambda: None, admission: Callable[[], Any] = lambda: None,
                  multiprocess_dir: Path | None = None) -> None:
         self._pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
@@ -190,8 +217,14 @@ class Metrics:
                                ["tenant", "kind"], registry=r)
         self.rate_limited = Counter("kvgate_rate_limited", "requests refused by a tenant limit",
                                     ["tenant", "limit"], registry=r)
+        self.queue_wait = Histogram("kvgate_queue_wait_seconds", "time requests waited in kvgate's fair queue, "
+                                    "per tenant (only requests that had to wait)", ["tenant"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_exits = Counter("kvgate_queue_exits", "how waits in the fair queue ended: served, timeout "
+                                   "(429), disconnect, shutdown (503)", ["tenant", "outcome"], registry=r)
         self.multiprocess_dir = multiprocess_dir
-        scraped = (_CacheCollector(cache), _PolicyCollector(policy), _KVEventsCollector(kv_events))
+        scraped = (_CacheCollector(cache), _PolicyCollector(policy), _KVEventsCollector(kv_events),
+                   _QueueCollector(admission))
         if multiprocess_dir is None:
             for c in (_PoolCollector(pool), *scraped):
                 r.register(c)

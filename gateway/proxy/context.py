@@ -33,3 +33,7 @@ class RequestContext:
     # Told when the replica's first token arrives (a stream's first event): the routing
     # policy learns that the request's prefill is done there (``started``), if it asks.
     first_token: Any = None
+    # The request's scheduling class (policies.priority): the tenant's, or lower by its header.
+    priority_class: str = "standard"
+    # Its claim on a replica slot (gateway.proxy.admission); None while admission is off.
+    ticket: Any = None

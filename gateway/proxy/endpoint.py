@@ -134,7 +134,9 @@ class ProxyEndpoint:
                      **self._upstream_headers(ctx)},
             read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
+            priority=stages.vllm_priority(ctx),
         )
+        stages.claim_slot(rt, ctx, call.payload, route.token_ids)
         attempt = await self._open(route, call, ctx)
         started = getattr(rt.policy, "started", None)
         if started is not None:
@@ -199,7 +201,7 @@ class ProxyEndpoint:
         return None
 
     async def _open(self, route: RouteRequest, call: UpstreamCall, ctx: RequestContext) -> Attempt:
-        return await open_upstream(self.rt.pool, self.rt.policy, route, call, self.rt.replica_keys)
+        return await open_upstream(self.rt.pool, self.rt.policy, route, call, self.rt.replica_keys, ctx.ticket)
 
     async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
         timeouts = self.rt.settings.timeouts

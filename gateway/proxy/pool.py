@@ -42,6 +42,11 @@ class Replica:
     configured_models: tuple[str, ...] = ()
     discovered_models: frozenset[str] = frozenset()
     source: str = "config"  # "config" | "dns" | "admin"
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: only "priority" takes `priority`
+    max_in_flight: int | None = None  # configured admission limit (gateway.proxy.admission)
+    # Seats the replica has shown it holds: its running count at a scrape that also showed
+    # requests waiting (vLLM queues only when its batch is full). None until it has queued once.
+    capacity: float | None = None
     # Active health: unknown (None) until the first check answers.
     healthy: bool | None = None
     draining: bool = False
@@ -138,6 +143,10 @@ class PoolEvents:
     on_failure: Callable[[Replica, str], None] = lambda r, kind: None
     # LoRA adapters a replica lists in /v1/models (an id with a parent model).
     on_adapters: Callable[[frozenset[str]], None] = lambda names: None
+    # A lease ended: a slot is free on the replica (gateway.proxy.admission hands it on).
+    on_release: Callable[[Replica], None] = lambda r: None
+    # A scrape or health check may have changed what the replicas can take.
+    on_refresh: Callable[[], None] = lambda: None
 
 
 class ReplicaPool:
@@ -162,15 +171,17 @@ class ReplicaPool:
         self.active_requests = 0
         self._tasks: list[asyncio.Task[None]] = []
         for r in replicas:
-            self.add(r.name, r.url, weight=r.weight, models=r.models)
+            self.add(r.name, r.url, weight=r.weight, models=r.models, scheduling_policy=r.scheduling_policy,
+                     max_in_flight=r.max_in_flight)
 
     # -- membership -------------------------------------------------------
     def add(self, name: str, url: str, *, weight: float = 1.0, models: Iterable[str] = (),
-            source: str = "config") -> Replica:
+            source: str = "config", scheduling_policy: str = "fcfs", max_in_flight: int | None = None) -> Replica:
         if name in self.replicas:
             raise ValueError(f"replica {name!r} already exists")
         replica = Replica(name=name, url=url.rstrip("/"), weight=weight,
-                          configured_models=tuple(models), source=source)
+                          configured_models=tuple(models), source=source, scheduling_policy=scheduling_policy,
+                          max_in_flight=max_in_flight)
         self.replicas[name] = replica
         return replica
 
@@ -205,6 +216,7 @@ class ReplicaPool:
 
     def _released(self, replica: Replica) -> None:
         self.active_requests -= 1
+        self.events.on_release(replica)
 
     # -- passive health ---------------------------------------------------
     def record_success(self, replica: Replica) -> None:
@@ -268,6 +280,7 @@ class ReplicaPool:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in list(self.replicas.values())))
+        self.events.on_refresh()
 
     async def check(self, replica: Replica) -> None:
         timeout = httpx.Timeout(min(2.0, self.settings.health_interval_s * 2))
@@ -305,6 +318,7 @@ class ReplicaPool:
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(r) for r in list(self.replicas.values()) if r.healthy is not False))
+        self.events.on_refresh()
 
     async def scrape(self, replica: Replica) -> None:
         try:
@@ -389,6 +403,12 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
         setattr(replica, attr, value)
     # Which of the reported requests were ours (routing.base.load_now).
     replica.in_flight_at_scrape = replica.in_flight
+    if replica.waiting and replica.running:
+        # vLLM leaves a request waiting only when its batch is full (--max-num-seqs or KV
+        # blocks), so what runs beside a queue is what it holds. The largest seen: a batch of
+        # long prompts holds fewer, and kvgate would rather let the replica queue a little
+        # than leave seats empty after a run of long prompts.
+        replica.capacity = max(replica.capacity or 0.0, replica.running)
 
 
 def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:
@@ -403,5 +423,6 @@ def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:
             "ejections": r.ejections, "in_flight": r.in_flight, "running": r.running, "waiting": r.waiting,
             "kv_usage": r.kv_usage, "prefix_hit_rate": hit, "served": r.served, "failures": r.failures,
             "weight": r.weight, "source": r.source, "prefill_rate": r.prefill_rate, "kv_tokens": r.kv_tokens,
+            "scheduling_policy": r.scheduling_policy, "max_in_flight": r.max_in_flight, "capacity": r.capacity,
         })
     return rows

@@ -11,7 +11,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from policies import AuthError, PolicyError
+from policies.priority import PRIORITY_HEADER, TAKES_PRIORITY, VLLM_PRIORITY, request_class
 from routing import strip_cache_control
+from routing.backlog import CHARS_PER_TOKEN
 
 from .asgi_io import Exchange
 from gateway.errors import from_policy
@@ -27,6 +29,8 @@ log = logging.getLogger("kvgate.stages")
 # Looked up by the cache: responses and messages only to be bypassed, their reason counted in
 # metrics (x-kvgate-cache: bypass). semantic_cache keys and replays chat and completions answers only.
 _CACHEABLE = ("chat", "completions", "responses", "messages")
+# Requests that run no model, so take no seat in a replica's batch: never queued for one.
+_NO_SEAT = frozenset({"tokenize", "detokenize", "count_tokens"})
 
 
 def authenticate(rt: "Runtime", headers: dict[str, str], query_string: bytes) -> "Tenant":
@@ -37,7 +41,13 @@ def authenticate(rt: "Runtime", headers: dict[str, str], query_string: bytes) ->
 
 
 async def admit(rt: "Runtime", ctx: "RequestContext") -> None:
-    """Tenant policy: model allow-list, salt, client-field stripping, hygiene, rate limits."""
+    """Tenant policy: the request's class, model allow-list, salt, client-field stripping,
+    hygiene, rate limits."""
+    try:
+        # First: a refused header must not spend rate budget.
+        ctx.priority_class = request_class(ctx.tenant.priority, ctx.headers.get(PRIORITY_HEADER))
+    except PolicyError as err:
+        raise from_policy(err) from None
     decision = await rt.engine.admit(ctx.tenant, ctx.endpoint, ctx.body)  # type: ignore[arg-type]
     if decision.rejection is not None:
         rej = decision.rejection
@@ -52,6 +62,20 @@ async def admit(rt: "Runtime", ctx: "RequestContext") -> None:
         for w in decision.warnings:
             rt.metrics.hygiene.labels(ctx.tenant.name, w.kind).inc()
             row.warnings += 1
+
+
+def vllm_priority(ctx: "RequestContext") -> int:
+    """vLLM's ``priority`` for the request, on the routes that take one (else 0: none sent)."""
+    return VLLM_PRIORITY[ctx.priority_class] if ctx.endpoint in TAKES_PRIORITY else 0
+
+
+def claim_slot(rt: "Runtime", ctx: "RequestContext", payload: bytes, token_ids: list[int] | None = None) -> None:
+    """The request's ticket for admission (None while it is off), its work in prompt tokens:
+    exact when routing tokenized the request, else estimated from the body's size."""
+    if ctx.endpoint in _NO_SEAT:
+        return
+    cost = len(token_ids) if token_ids else len(payload) / CHARS_PER_TOKEN
+    ctx.ticket = rt.admission.ticket(ctx.tenant, ctx.priority_class, cost)
 
 
 def upstream_body(ctx: "RequestContext") -> dict[str, Any]:

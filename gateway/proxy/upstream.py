@@ -22,6 +22,7 @@ import orjson
 from routing import RouteRequest, RoutingPolicy
 
 from gateway.errors import BadRequest, GatewayError, NoReplica, NotFound, RateLimited, UpstreamError, UpstreamTimeout
+from .admission import Ticket
 from .pool import Lease, Replica, ReplicaPool
 
 log = logging.getLogger("kvgate.upstream")
@@ -59,22 +60,38 @@ class Attempt:
 @dataclass(slots=True)
 class UpstreamCall:
     path: str
-    payload: bytes
+    payload: bytes  # a JSON object when ``priority`` is set
     headers: dict[str, str]
     read_timeout_s: float
     connect_timeout_s: float
     max_attempts: int
+    # vLLM's ``priority`` for the request's class (policies.priority); sent only to replicas
+    # started with --scheduling-policy priority: a first-come one refuses any value but 0.
+    priority: int = 0
+
+    def payload_for(self, replica: Replica) -> bytes:
+        if not self.priority or replica.scheduling_policy != "priority":
+            return self.payload
+        # The body is an object whose client-set priority was stripped (policies.salt), so the
+        # field goes in before the closing brace, without parsing the body again.
+        sep = b"," if len(self.payload) > 2 else b""  # b"{}" has no field to follow
+        return b"%s%s\"priority\":%d}" % (self.payload[:-1], sep, self.priority)
 
 
 async def open_upstream(
     pool: ReplicaPool, policy: RoutingPolicy, route: RouteRequest, call: UpstreamCall,
-    replica_keys: dict[str, str] | None = None,
+    replica_keys: dict[str, str] | None = None, ticket: Ticket | None = None,
 ) -> Attempt:
     candidates = pool.eligible(route.model)
     if not candidates:
         if not pool.known_model(route.model):
             raise NotFound(f"model '{route.model}' is not served here", param="model")
         raise NoReplica(f"no healthy replica serves model '{route.model}'")
+    if ticket is not None:
+        # Admission (gateway.proxy.admission): route among the replicas with a free slot, or wait
+        # in the fair queue for one. From here to the first lease nothing awaits, so the slot
+        # seen free is the slot taken.
+        candidates = ticket.free(candidates) or await ticket.wait(route.model)
     started = time.perf_counter()
     order = policy.prefer(route, candidates)
     prefer_s = time.perf_counter() - started
@@ -94,7 +111,8 @@ async def open_upstream(
             headers = call.headers
             if replica_keys and replica.name in replica_keys:
                 headers = {**headers, "authorization": f"Bearer {replica_keys[replica.name]}"}
-            request = httpx.Request("POST", replica.url_for(call.path), content=call.payload, headers=headers,
+            request = httpx.Request("POST", replica.url_for(call.path), content=call.payload_for(replica),
+                                    headers=headers,
                                     extensions={"timeout": timeout})
             try:
                 response = await pool.transport.handle_async_request(request)

@@ -13,6 +13,10 @@ or ``skip`` when the config does not ask for it:
 * **block size**: where the replica publishes KV events, its block size equals
   ``routing.block_size`` (precise routing keys token ids by it);
 * **kv events**: its PUB and replay endpoints accept a connection;
+* **scheduling**: the replica's ``scheduling_policy`` as configured; where that is
+  ``priority``, a one-token completion sent with a non-zero ``priority`` must be
+  accepted (vLLM under ``fcfs`` refuses it with a 400, which would refuse every
+  request of a non-standard tenant class there);
 * **token ids**: for each model with a ``routing.tokenizers`` directory, the ids
   kvgate computes for a probe chat equal the ones the replica's ``/tokenize``
   gives (a different tokenizer or chat template would make every precise lookup
@@ -141,9 +145,33 @@ def check_replica(r: ReplicaSettings, settings: Settings, client: httpx.Client,
         why = _connects(endpoint, 3.0)
         add(name, "ok" if why is None else "FAIL", endpoint if why is None else
             f"{endpoint}: {why} (vLLM's --kv-events-config endpoint/replay_endpoint, and the network path)")
+    add_scheduling(add, r, sorted(served), client, headers)
     for model in sorted(m for m in settings.routing.tokenizers if m in served):
         add_tokens(add, model, client, r.url, headers, tokenizer)
     return out
+
+
+def add_scheduling(add: Callable[..., None], r: ReplicaSettings, served: list[str], client: httpx.Client,
+                   headers: dict[str, str]) -> None:
+    if r.scheduling_policy == "fcfs":
+        add("scheduling", "ok", "fcfs (configured): tenants' classes order kvgate's queue only; no priority sent")
+        return
+    if not served:
+        add("scheduling", "skip", "priority (configured): no model to probe")
+        return
+    try:
+        resp = client.post(r.url + "/v1/completions", headers=headers, json={
+            "model": served[0], "prompt": "ok", "max_tokens": 1, "priority": 1})
+        status: int | None = resp.status_code
+    except httpx.HTTPError:
+        status = None
+    if status == 200:
+        add("scheduling", "ok", "priority (configured): a request with priority 1 was accepted")
+    elif status == 400:
+        add("scheduling", "FAIL", "priority (configured), but the replica refuses a non-zero priority: start "
+                                  "vLLM with --scheduling-policy priority, or set scheduling_policy: fcfs")
+    else:
+        add("scheduling", "skip", f"priority (configured): the probe got {status or 'no answer'}")
 
 
 def add_tokens(add: Callable[..., None], model: str, client: httpx.Client, url: str, headers: dict[str, str],

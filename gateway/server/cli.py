@@ -38,7 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
     def on_signal() -> None:
         runtime.shutting_down = True  # /readyz answers 503 from now on
 
-    run(run_servers(_servers(app, settings, worker), on_signal=on_signal, delay_s=settings.shutdown_delay_s,
+    run(run_servers(_servers(app, settings, worker), on_signal=on_signal, on_stop=runtime.close_queue,
+                    delay_s=settings.shutdown_delay_s,
                     parent_pid=os.getppid() if worker is not None else None))
     return 0
 

@@ -3,8 +3,9 @@
 Signals are handled here rather than by each uvicorn server, so shutdown is one
 sequence for the whole process: on SIGTERM ``/readyz`` turns 503 at once; new
 requests are still served for ``shutdown_delay_s`` (load balancers need that
-long to take the pod out); then the listeners close, streams in flight get up
-to ``shutdown_grace_s`` to finish, and the process exits. A second signal
+long to take the pod out); then the listeners close, the requests waiting in
+the fair queue are answered 503 (``gateway.proxy.admission``), streams in flight
+get up to ``shutdown_grace_s`` to finish, and the process exits. A second signal
 exits at once.
 
 With ``workers: N`` a supervisor (``gateway.server.workers``) runs N such processes;
@@ -78,11 +79,15 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 
 
 async def run_servers(servers: list[uvicorn.Server], *, on_signal: Callable[[], None] | None = None,
-                      delay_s: float = 0.0, parent_pid: int | None = None) -> None:
+                      on_stop: Callable[[], None] | None = None, delay_s: float = 0.0,
+                      parent_pid: int | None = None) -> None:
+    """``on_signal`` runs at the first signal, ``on_stop`` as the listeners close (after ``delay_s``)."""
     loop = asyncio.get_running_loop()
     signalled = False
 
     def stop_all() -> None:
+        if on_stop is not None:
+            on_stop()
         for s in servers:
             s.should_exit = True
 

@@ -129,9 +129,12 @@ class UtilityEndpoint(ProxyEndpoint):
             headers={**UPSTREAM_HEADERS, "content-type": ctx.content_type, "x-request-id": ctx.request_id},
             read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
+            # A JSON body only: a multipart form is forwarded as the client's bytes.
+            priority=stages.vllm_priority(ctx) if ctx.content_type == "application/json" else 0,
         )
         route = RouteRequest(ctx.endpoint, ctx.model, ctx.tenant.namespace, ctx.body)
-        attempt = await open_upstream(rt.pool, _BY_LOAD, route, call, rt.replica_keys)
+        stages.claim_slot(rt, ctx, ctx.payload)
+        attempt = await open_upstream(rt.pool, _BY_LOAD, route, call, rt.replica_keys, ctx.ticket)
         try:
             replica = attempt.replica
             outcome = await self._forward(ctx, exchange, attempt)

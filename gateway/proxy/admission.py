@@ -1,0 +1,244 @@
+"""Admission: a slot per replica up to its limit, and a fair queue in kvgate past that.
+
+On only with tenants configured (and ``pool.fair_queue``): without tenants there
+is no one to be fair between, and every request goes straight to routing as before.
+
+**The fast path** is a counter check: a replica has a free slot while this
+instance's requests in flight to it (its leases), plus slots handed to woken
+waiters, are under its limit; routing then chooses among the replicas with a
+free slot. A request waits only when no replica that serves its model has one,
+or when others are already waiting (no one overtakes the queue).
+
+**The limit** of a replica, for this instance: its capacity (``max_in_flight``
+when configured, else the seats it has shown it holds, ``Replica.capacity``)
+less what other clients of the replica hold by its last scrape (running and
+waiting, minus ours at that scrape), never below one so a stale view cannot
+stall an instance. A replica that has never queued has no limit learned: it is
+not full by any evidence, and nothing waits for it. Why capacity and no more:
+requests queued inside vLLM are served first-come, outside the tenants' order;
+vLLM takes a waiting request only when a seat frees, which is the moment our
+lease ends and the slot goes to the next in our queue, so a longer queue at the
+replica would buy it nothing but unfairness (the cost is one hop of idle seat).
+Retries on another replica (``upstream``) are not held back: a retry happens
+only after a refusal, which freed the first slot.
+
+**The queue** is ``policies.fair_queue``: strict bands by class, weighted fair
+queueing over prompt tokens within a band. A freed slot goes to the first
+waiting request its replica can serve. A waiter leaves with a 429 and
+``Retry-After`` at its tenant's ``queue_timeout_s``; at once when its client
+disconnects (the proxy cancels it; the queue forgets it and refunds its work);
+and with a 503 at shutdown (``close``), so none is dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from policies.fair_queue import Entry, FairQueue
+from policies.priority import band
+
+from gateway.errors import NoReplica, RateLimited
+from .pool import Replica, ReplicaPool
+
+if TYPE_CHECKING:
+    from policies import Tenant
+
+__all__ = ["Admission", "Ticket"]
+
+_OUTCOMES = ("served", "timeout", "disconnect", "shutdown")
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    model: str
+    future: asyncio.Future[Replica]
+
+
+@dataclass(slots=True)
+class _TenantTally:
+    """What the status page shows of one tenant's time in the queue."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    wait_s_total: float = 0.0
+    wait_s_max: float = 0.0
+
+
+class Ticket:
+    """One request's claim on a slot: who it is, its class, the work it carries."""
+
+    __slots__ = ("admission", "tenant", "cls", "cost", "deadline")
+
+    def __init__(self, admission: "Admission", tenant: "Tenant", cls: str, cost: float) -> None:
+        self.admission = admission
+        self.tenant = tenant
+        self.cls = cls
+        self.cost = max(1.0, cost)
+        self.deadline: float | None = None  # the event loop's time the tenant's queue deadline ends
+
+    def free(self, candidates: list[Replica]) -> list[Replica]:
+        """The candidates with a free slot; none while others wait (no one overtakes the queue)."""
+        adm = self.admission
+        if adm.queue_len:
+            return []
+        return [r for r in candidates if adm.has_slot(r)]
+
+    async def wait(self, model: str) -> list[Replica]:
+        """Queue until a slot frees on a replica serving ``model``; the replicas with a free slot
+        then (the caller routes among them before it next awaits). Raises 429 at the deadline,
+        503 at shutdown; cancellation (a disconnect) leaves the queue at once."""
+        adm = self.admission
+        while True:
+            await adm.wait(self, model)
+            free = [r for r in adm.pool.eligible(model) if adm.has_slot(r)]
+            if free:
+                return free
+
+
+class Admission:
+    def __init__(self, pool: ReplicaPool, *, active: Callable[[], bool], metrics: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self._active = active
+        self.metrics = metrics
+        self.clock = clock
+        self.queue: FairQueue[_Waiter] = FairQueue()
+        self.queue_len = 0  # len(queue), kept as a plain int for the fast path
+        self.reserved: dict[Replica, int] = {}  # slots handed to woken waiters, not yet leased
+        self.closed = False
+        self.tallies: dict[str, _TenantTally] = {}
+
+    # -- the fast path ------------------------------------------------------------------
+    def ticket(self, tenant: "Tenant", cls: str, cost: float) -> Ticket | None:
+        """A ticket for one request, or None when admission is off (no tenants, or disabled)."""
+        return Ticket(self, tenant, cls, cost) if self._active() else None
+
+    def limit(self, r: Replica) -> float | None:
+        """This instance's slots on ``r``; None: no limit known."""
+        capacity = r.max_in_flight if r.max_in_flight is not None else r.capacity
+        if capacity is None:
+            return None
+        others = (r.running or 0.0) + (r.waiting or 0.0) - r.in_flight_at_scrape
+        return max(1.0, capacity - max(0.0, others))
+
+    def has_slot(self, r: Replica) -> bool:
+        limit = self.limit(r)
+        return limit is None or r.in_flight + self.reserved.get(r, 0) < limit
+
+    # -- waiting ----------------------------------------------------------------------------
+    async def wait(self, ticket: Ticket, model: str) -> None:
+        if self.closed:
+            raise _shutting_down()
+        tenant = ticket.tenant
+        loop = asyncio.get_running_loop()
+        if ticket.deadline is None:  # one deadline however often the request is woken and requeued
+            ticket.deadline = loop.time() + tenant.queue_timeout_s
+        waiter = _Waiter(model, loop.create_future())
+        entry = self.queue.push(waiter, tenant=tenant.name, band=band(ticket.cls), cost=ticket.cost,
+                                weight=tenant.weight)
+        self.queue_len += 1
+        started = self.clock()
+        outcome = "disconnect"
+        try:
+            self.pump()  # a slot may be free for this model while others wait for another
+            async with asyncio.timeout_at(ticket.deadline):
+                replica = await waiter.future
+            outcome = "served"
+        except TimeoutError:
+            outcome = "timeout"
+            raise RateLimited(f"every replica is busy and the request waited {tenant.queue_timeout_s:g} s "
+                              "in the queue; retry later", retry_after_s=tenant.queue_timeout_s,
+                              code="queue_timeout") from None
+        except NoReplica:
+            outcome = "shutdown"
+            raise
+        finally:
+            self._left(entry, outcome)
+            self._record(tenant.name, outcome, self.clock() - started)
+        self._unreserve(replica)  # the caller routes at once, with no await in between
+
+    def _left(self, entry: Entry[_Waiter], outcome: str) -> None:
+        if self.queue.remove(entry):
+            self.queue_len -= 1
+            return
+        fut = entry.item.future
+        if outcome != "served" and fut.done() and not fut.cancelled() and fut.exception() is None:
+            # Handed a slot in the same instant it gave up: pass the slot on.
+            self._unreserve(fut.result())
+            self.pump()
+
+    def _unreserve(self, r: Replica) -> None:
+        n = self.reserved.get(r, 0) - 1
+        if n > 0:
+            self.reserved[r] = n
+        else:
+            self.reserved.pop(r, None)
+
+    # -- handing slots on -----------------------------------------------------------------
+    def released(self, replica: Replica) -> None:
+        """A lease ended (``PoolEvents.on_release``): its slot goes to the next waiter."""
+        if self.queue_len:
+            self.pump()
+
+    def pump(self) -> None:
+        """Hand every free slot to the next waiter, in fair order, that its replica serves."""
+        if not self.queue_len:
+            return
+        now = self.pool.clock()
+        for r in list(self.pool.replicas.values()):
+            if not r.available(now):
+                continue
+            def serves(w: _Waiter, r: Replica = r) -> bool:
+                return r.serves(w.model)
+
+            while self.queue_len and self.has_slot(r):
+                entry = self.queue.pop(accept=serves)
+                if entry is None:
+                    break
+                self.queue_len -= 1
+                self.reserved[r] = self.reserved.get(r, 0) + 1
+                entry.item.future.set_result(r)
+
+    def close(self) -> None:
+        """Shutdown: every waiter answers 503 now, and nothing queues from here on."""
+        self.closed = True
+        while (entry := self.queue.pop()) is not None:
+            self.queue_len -= 1
+            if not entry.item.future.done():
+                entry.item.future.set_exception(_shutting_down())
+
+    # -- what operators see ---------------------------------------------------------------
+    def _record(self, tenant: str, outcome: str, waited_s: float) -> None:
+        tally = self.tallies.setdefault(tenant, _TenantTally())
+        tally.outcomes[outcome] += 1
+        tally.wait_s_total += waited_s
+        tally.wait_s_max = max(tally.wait_s_max, waited_s)
+        if self.metrics is not None:
+            self.metrics.queue_wait.labels(tenant).observe(waited_s)
+            self.metrics.queue_exits.labels(tenant, outcome).inc()
+
+    def depths(self) -> dict[str, int]:
+        return self.queue.depths()
+
+    def stats(self) -> dict[str, Any]:
+        """Per tenant: waiting now, and how past waits ended and how long they took."""
+        depths = self.depths()
+        tenants = {}
+        for name in sorted(set(depths) | set(self.tallies)):
+            tally = self.tallies.get(name, _TenantTally())
+            waits = sum(tally.outcomes.values())
+            tenants[name] = {"waiting": depths.get(name, 0), **{o: tally.outcomes.get(o, 0) for o in _OUTCOMES},
+                             "mean_wait_s": round(tally.wait_s_total / waits, 4) if waits else None,
+                             "max_wait_s": round(tally.wait_s_max, 4) if waits else None}
+        limits = {r.name: self.limit(r) for r in self.pool.replicas.values()}
+        return {"active": self._active(), "closed": self.closed, "waiting": self.queue_len,
+                "limits": limits, "tenants": tenants}
+
+
+def _shutting_down() -> NoReplica:
+    return NoReplica("kvgate is shutting down; retry the request (another instance will take it)",
+                     code="shutting_down")
