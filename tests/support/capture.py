@@ -1,0 +1,99 @@
+"""A replica at the outside edge that records what kvgate sends it and can hold requests.
+
+For the tests that must see the exact bytes a replica received (which ``priority``
+reached it) or must keep a replica's slot busy for as long as they choose (the
+fair queue's order, deadline, disconnects and shutdown): a request whose prompt
+contains ``HOLD`` is answered only after ``POST /release``. It answers chat,
+completions and Anthropic messages with fixed, well-formed bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+__all__ = ["Capture", "Received"]
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    path: str
+    raw: bytes
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return orjson.loads(self.raw)  # type: ignore[no-any-return]
+
+    @property
+    def text(self) -> str:
+        """The prompt's text: the last message's content, or the completion prompt."""
+        body = self.body
+        if "messages" in body:
+            content = body["messages"][-1]["content"]
+            return content if isinstance(content, str) else str(content)
+        return str(body.get("prompt", ""))
+
+
+@dataclass
+class Capture:
+    model: str
+    received: list[Received] = field(default_factory=list)
+    _release: asyncio.Event | None = None
+
+    def app(self) -> Starlette:
+        async def generate(request: Request) -> Response:
+            got = Received(request.url.path, await request.body())
+            self.received.append(got)
+            if "HOLD" in got.text:
+                if self._release is None:
+                    self._release = asyncio.Event()
+                await self._release.wait()
+            return Response(orjson.dumps(self._answer(got.path)), media_type="application/json")
+
+        async def release(request: Request) -> Response:
+            if self._release is None:
+                self._release = asyncio.Event()
+            self._release.set()
+            return Response()
+
+        async def models(request: Request) -> Response:
+            return Response(orjson.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]}),
+                            media_type="application/json")
+
+        async def ok(request: Request) -> Response:
+            return Response()
+
+        return Starlette(routes=[
+            Route("/v1/chat/completions", generate, methods=["POST"]),
+            Route("/v1/completions", generate, methods=["POST"]),
+            Route("/v1/messages", generate, methods=["POST"]),
+            Route("/release", release, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", ok, methods=["GET"]),
+            Route("/metrics", ok, methods=["GET"]),
+        ])
+
+    @staticmethod
+    def release_at(url: str) -> None:
+        httpx.post(url + "/release", timeout=5).raise_for_status()
+
+    def _answer(self, path: str) -> dict[str, Any]:
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        if path == "/v1/messages":
+            return {"id": "msg_1", "type": "message", "role": "assistant", "model": self.model,
+                    "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn", "stop_sequence": None,
+                    "usage": {"input_tokens": 3, "output_tokens": 1}}
+        if path == "/v1/completions":
+            return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": self.model,
+                    "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}], "usage": usage}
+        return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": usage}
