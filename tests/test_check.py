@@ -97,3 +97,25 @@ def test_a_bad_config_is_refused_with_the_field(tmp_path: Path, capsys: pytest.C
     path.write_text(yaml.safe_dump({"replicas": [{"name": "r1", "url": "not a url"}]}))
     assert main(["check", "--config", str(path)]) == 2
     assert "replicas.0.url" in capsys.readouterr().err
+
+
+def test_scheduling_policy_is_reported_and_a_priority_claim_is_probed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.support.capture import Capture
+
+    takes, refuses, fifo = Capture(MODEL), Capture(MODEL, refuse_priority=True), Capture(MODEL, refuse_priority=True)
+    servers = {name: ServerThread(c.app(), lifespan="off").start()
+               for name, c in (("takes", takes), ("refuses", refuses), ("fifo", fifo))}
+    try:
+        policies = {"takes": "priority", "refuses": "priority", "fifo": "fcfs"}
+        rc, out = _run(tmp_path, {"replicas": [
+            {"name": n, "url": s.url, "scheduling_policy": policies[n]} for n, s in servers.items()]}, capsys)
+        table = _lines(out)
+        assert rc == 1
+        assert table[("takes", "scheduling")] == "ok" and "priority (configured)" in out
+        assert table[("refuses", "scheduling")] == "FAIL" and "--scheduling-policy priority" in out
+        assert table[("fifo", "scheduling")] == "ok" and "fcfs (configured)" in out
+        assert [r.body.get("priority") for r in takes.received] == [1] and not fifo.received
+    finally:
+        for s in servers.values():
+            s.stop()

@@ -33,7 +33,8 @@ class Fleet:
     """A kvgate in front of Capture replicas, in this process."""
 
     def __init__(self, replicas: dict[str, dict[str, Any]], tenants: list[dict[str, Any]], **settings: Any) -> None:
-        self.captures = {name: Capture(spec.pop("model", MODEL)) for name, spec in replicas.items()}
+        self.captures = {name: Capture(spec.pop("model", MODEL), refuse_priority=spec.pop("refuse_priority", False))
+                         for name, spec in replicas.items()}
         self.upstreams = {name: ServerThread(c.app(), lifespan="off").start() for name, c in self.captures.items()}
         config = {"replicas": [{"name": n, "url": self.upstreams[n].url, "models": [self.captures[n].model], **spec}
                                for n, spec in replicas.items()],
@@ -89,7 +90,9 @@ def _background(fn: Any, *args: Any, **kw: Any) -> tuple[threading.Thread, dict[
 # -- part 1: the class reaches only the replicas that accept it --------------------------------
 @pytest.fixture
 def two_policies() -> Iterator[Fleet]:
-    fleet = Fleet({"prio": {"model": "m-prio", "scheduling_policy": "priority"}, "fifo": {"model": "m-fifo"}},
+    # The first-come replica refuses a non-zero priority, as vLLM does.
+    fleet = Fleet({"prio": {"model": "m-prio", "scheduling_policy": "priority"},
+                   "fifo": {"model": "m-fifo", "refuse_priority": True}},
                   [{"name": "live", "api_keys": ["sk-live"], "priority": "interactive"},
                    {"name": "plain", "api_keys": ["sk-plain"]},
                    {"name": "night", "api_keys": ["sk-night"], "priority": "batch"}])

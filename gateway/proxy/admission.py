@@ -9,16 +9,22 @@ waiters, are under its limit; routing then chooses among the replicas with a
 free slot. A request waits only when no replica that serves its model has one,
 or when others are already waiting (no one overtakes the queue).
 
-**The limit** of a replica, for this instance: its capacity (``max_in_flight``
-when configured, else the seats it has shown it holds, ``Replica.capacity``)
-less what other clients of the replica hold by its last scrape (running and
-waiting, minus ours at that scrape), never below one so a stale view cannot
-stall an instance. A replica that has never queued has no limit learned: it is
-not full by any evidence, and nothing waits for it. Why capacity and no more:
-requests queued inside vLLM are served first-come, outside the tenants' order;
-vLLM takes a waiting request only when a seat frees, which is the moment our
-lease ends and the slot goes to the next in our queue, so a longer queue at the
-replica would buy it nothing but unfairness (the cost is one hop of idle seat).
+**The limit** of a replica, for this instance: its capacity, less what other
+clients of the replica hold by its last scrape (running and waiting, minus ours
+at that scrape), never below one so a stale view cannot stall an instance. The
+capacity is ``max_in_flight`` when configured (an operator's number, taken as
+it is); else the seats the replica has shown it holds (``Replica.capacity``: its
+running count beside a queue) plus one. A replica that has never queued has no
+limit learned: it is not full by any evidence, and nothing waits for it.
+
+Why the learned limit is the seats plus one and no more: requests queued inside
+vLLM are served first-come, outside the tenants' order, and buy nothing, since
+vLLM takes a waiting request only when a seat frees, the moment our lease ends
+and the slot goes to the next in our queue (the cost is one hop of idle seat).
+The one extra is the probe: if the replica has more seats than it has shown,
+it runs that request at once, its running count rises at the next scrape and
+the capacity with it; if not, it is the next to run anyway. Without it a
+capacity learned while long prompts filled the KV cache would never grow back.
 Retries on another replica (``upstream``) are not held back: a retry happens
 only after a refusal, which freed the first slot.
 
@@ -119,8 +125,11 @@ class Admission:
 
     def limit(self, r: Replica) -> float | None:
         """This instance's slots on ``r``; None: no limit known."""
-        capacity = r.max_in_flight if r.max_in_flight is not None else r.capacity
-        if capacity is None:
+        if r.max_in_flight is not None:
+            capacity: float = r.max_in_flight
+        elif r.capacity is not None:
+            capacity = r.capacity + 1  # the probe seat (module docstring)
+        else:
             return None
         others = (r.running or 0.0) + (r.waiting or 0.0) - r.in_flight_at_scrape
         return max(1.0, capacity - max(0.0, others))

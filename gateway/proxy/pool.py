@@ -403,11 +403,12 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
         setattr(replica, attr, value)
     # Which of the reported requests were ours (routing.base.load_now).
     replica.in_flight_at_scrape = replica.in_flight
-    if replica.waiting and replica.running:
+    if replica.running and (replica.waiting or replica.capacity is not None):
         # vLLM leaves a request waiting only when its batch is full (--max-num-seqs or KV
-        # blocks), so what runs beside a queue is what it holds. The largest seen: a batch of
-        # long prompts holds fewer, and kvgate would rather let the replica queue a little
-        # than leave seats empty after a run of long prompts.
+        # blocks), so what runs beside a queue is what it holds; once known, any larger batch
+        # it runs raises it (admission's probe seat is how it gets the chance). The largest
+        # seen: a batch of long prompts holds fewer, and kvgate would rather let the replica
+        # queue one request than leave seats empty after a run of long prompts.
         replica.capacity = max(replica.capacity or 0.0, replica.running)
 
 

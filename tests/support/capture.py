@@ -4,7 +4,9 @@ For the tests that must see the exact bytes a replica received (which ``priority
 reached it) or must keep a replica's slot busy for as long as they choose (the
 fair queue's order, deadline, disconnects and shutdown): a request whose prompt
 contains ``HOLD`` is answered only after ``POST /release``. It answers chat,
-completions and Anthropic messages with fixed, well-formed bodies.
+completions and Anthropic messages with fixed, well-formed bodies; with
+``refuse_priority`` it refuses a non-zero ``priority`` with a 400, as vLLM does
+under its default ``--scheduling-policy fcfs``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Received:
 @dataclass
 class Capture:
     model: str
+    refuse_priority: bool = False
     received: list[Received] = field(default_factory=list)
     _release: asyncio.Event | None = None
 
@@ -52,6 +55,10 @@ class Capture:
         async def generate(request: Request) -> Response:
             got = Received(request.url.path, await request.body())
             self.received.append(got)
+            if self.refuse_priority and got.body.get("priority"):
+                return Response(orjson.dumps({"error": {
+                    "message": "Priority scheduling is not enabled.", "type": "BadRequestError", "param": None,
+                    "code": 400}}), status_code=400, media_type="application/json")
             if "HOLD" in got.text:
                 if self._release is None:
                     self._release = asyncio.Event()
