@@ -54,16 +54,18 @@ def sources() -> dict[str, Any]:
 
     from gateway.admin.openapi import openapi_document
     from gateway.observe.metrics import Metrics
+    from gateway.proxy.admission import Admission
     from gateway.proxy.pool import ReplicaPool
     from gateway.settings import PoolSettings, Settings
     from routing.kv_events import KVEvents
 
-    # A pool and an event fleet with nothing in them, so every collector yields its families
-    # (without them the replica and KV-event collectors yield none). Nothing is sent anywhere.
+    # A pool, an event fleet and a fair queue with nothing in them, so every collector yields its
+    # families (without them the replica, KV-event and queue collectors yield none). Nothing is sent.
     client = httpx.AsyncClient()
     try:
         pool, fleet = ReplicaPool(PoolSettings(), client), KVEvents()
-        registry = Metrics(lambda: pool, kv_events=lambda: fleet).registry
+        admission = Admission(pool, active=lambda: True)
+        registry = Metrics(lambda: pool, kv_events=lambda: fleet, admission=lambda: admission).registry
     finally:
         asyncio.run(client.aclose())
     return {"settings": Settings, "registry": registry, "openapi": openapi_document()}
