@@ -177,7 +177,8 @@ class _QueueCollector(Collector):
             depth.add_metric([tenant], n)
         limit = GaugeMetricFamily("kvgate_replica_admission_limit",
                                   "requests this instance sends the replica before queueing (configured "
-                                  "max_in_flight, or the seats it showed plus one, less other clients' load); absent: none",
+                                  "max_in_flight, or the seats it showed plus one, less other clients' load); "
+                                  "absent: none",
                                   labels=["replica"])
         for r in admission.pool.replicas.values():
             value = admission.limit(r)
