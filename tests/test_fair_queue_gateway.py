@@ -235,7 +235,7 @@ def test_a_request_past_its_queue_deadline_gets_a_429_with_retry_after_in_its_ro
 
 def test_a_client_that_disconnects_leaves_the_queue_at_once() -> None:
     fleet = _one_slot([{"name": "a", "api_keys": ["sk-a"], "queue_timeout_s": 600},
-                       {"name": "b", "api_keys": ["sk-b"]}], admin={"token": "adm"})
+                       {"name": "b", "api_keys": ["sk-b"]}])
     try:
         held, _ = _hold(fleet, "sk-a")
         gone, gone_out = _background(_chat, fleet.url, "sk-a", "I will not wait", timeout=0.5)
@@ -311,3 +311,24 @@ def test_a_shutdown_answers_every_queued_request_with_a_503_and_lets_the_one_in_
         if proc.poll() is None:
             proc.kill()
         upstream.stop()
+
+
+def test_a_runtime_tenants_class_set_through_the_admin_api_reaches_the_replica() -> None:
+    from gateway.admin.api import build_admin_app
+
+    fleet = Fleet({"prio": {"scheduling_policy": "priority"}}, [{"name": "file", "api_keys": ["sk-file"]}],
+                  admin={"token": "adm"})
+    admin = ServerThread(build_admin_app(fleet.app.state.runtime), lifespan="off").start()
+    try:
+        auth = {"authorization": "Bearer adm"}
+        made = httpx.post(admin.url + "/admin/tenants", headers=auth, timeout=10,
+                          json={"name": "nightly", "priority": "batch", "weight": 0.5})
+        assert made.status_code == 201, made.text
+        assert made.json()["priority"] == "batch" and made.json()["weight"] == 0.5
+        assert _chat(fleet.url, made.json()["api_key"], "hi").status_code == 200
+        assert fleet.captures["prio"].received[-1].body["priority"] == 1
+        bad = httpx.patch(admin.url + "/admin/tenants/nightly", headers=auth, timeout=10, json={"priority": "vip"})
+        assert bad.status_code == 400
+    finally:
+        admin.stop()
+        fleet.close()

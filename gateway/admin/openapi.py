@@ -10,6 +10,11 @@ from typing import Any
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$", "minLength": 1, "maxLength": 64}
+# A tenant's class and share in the fair queue (policies.priority, gateway.proxy.admission).
+_QUEUE_FIELDS: dict[str, Any] = {
+    "priority": {"type": "string", "enum": ["interactive", "standard", "batch"]},
+    "weight": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1000},
+    "queue_timeout_s": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 3600}}
 
 
 def _resp(code: str, desc: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -75,7 +80,7 @@ _SCHEMAS: dict[str, Any] = {
         "requests_per_minute": {"type": "integer", "minimum": 1, "nullable": True},
         "tokens_per_minute": {"type": "integer", "minimum": 1, "nullable": True},
         "normalize_tools": {"type": "boolean"}, "sort_tools": {"type": "boolean"},
-        "prompt_hygiene": {"type": "boolean"}, "issue_key": {"type": "boolean"}}},
+        "prompt_hygiene": {"type": "boolean"}, **_QUEUE_FIELDS, "issue_key": {"type": "boolean"}}},
     "TenantPatch": {"type": "object", "additionalProperties": False, "properties": {
         "namespace": {**_NAME, "nullable": True},
         "models": {"type": "array", "items": {"type": "string"}, "nullable": True},
@@ -84,7 +89,8 @@ _SCHEMAS: dict[str, Any] = {
         "tokens_per_minute": {"type": "integer", "minimum": 1, "nullable": True},
         "normalize_tools": {"type": "boolean", "nullable": True},
         "sort_tools": {"type": "boolean", "nullable": True},
-        "prompt_hygiene": {"type": "boolean", "nullable": True}}},
+        "prompt_hygiene": {"type": "boolean", "nullable": True},
+        **{k: {**v, "nullable": True} for k, v in _QUEUE_FIELDS.items()}}},
     "Trends": {"type": "object", "required": ["interval_s", "capacity", "samples"], "properties": {
         "interval_s": {"type": "number"}, "capacity": {"type": "integer"},
         "samples": {"type": "array", "items": {"type": "object", "required": ["t", "requests_per_s"], "properties": {

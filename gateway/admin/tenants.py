@@ -6,7 +6,7 @@ key: the plaintext is shown once and kept nowhere.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Literal
 
 from pydantic import Field
 from starlette.requests import Request
@@ -40,6 +40,9 @@ def tenant_routes(rt: Runtime, g: Callable[[Handler], Handler], read_json: Any) 
         normalize_tools: bool = False
         sort_tools: bool = False
         prompt_hygiene: bool = True
+        priority: Literal["interactive", "standard", "batch"] = "standard"
+        weight: float = Field(1.0, gt=0, le=1000)
+        queue_timeout_s: float = Field(30.0, gt=0, le=3600)
         issue_key: bool = True
 
     class TenantPatch(_Body):
@@ -51,6 +54,9 @@ def tenant_routes(rt: Runtime, g: Callable[[Handler], Handler], read_json: Any) 
         normalize_tools: bool | None = None
         sort_tools: bool | None = None
         prompt_hygiene: bool | None = None
+        priority: Literal["interactive", "standard", "batch"] | None = None
+        weight: float | None = Field(None, gt=0, le=1000)
+        queue_timeout_s: float | None = Field(None, gt=0, le=3600)
 
     class KeyIn(_Body):
         rotate: bool = False

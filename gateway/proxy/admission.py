@@ -119,9 +119,14 @@ class Admission:
         self.tallies: dict[str, _TenantTally] = {}
 
     # -- the fast path ------------------------------------------------------------------
-    def ticket(self, tenant: "Tenant", cls: str, cost: float) -> Ticket | None:
-        """A ticket for one request, or None when admission is off (no tenants, or disabled)."""
-        return Ticket(self, tenant, cls, cost) if self._active() else None
+    @property
+    def active(self) -> bool:
+        """Whether requests take tickets: tenants are configured and ``pool.fair_queue`` is on."""
+        return self._active()
+
+    def ticket(self, tenant: "Tenant", cls: str, cost: float) -> Ticket:
+        """One request's claim (only while ``active``)."""
+        return Ticket(self, tenant, cls, cost)
 
     def limit(self, r: Replica) -> float | None:
         """This instance's slots on ``r``; None: no limit known."""
@@ -244,7 +249,7 @@ class Admission:
                              "mean_wait_s": round(tally.wait_s_total / waits, 4) if waits else None,
                              "max_wait_s": round(tally.wait_s_max, 4) if waits else None}
         limits = {r.name: self.limit(r) for r in self.pool.replicas.values()}
-        return {"active": self._active(), "closed": self.closed, "waiting": self.queue_len,
+        return {"active": self.active, "closed": self.closed, "waiting": self.queue_len,
                 "limits": limits, "tenants": tenants}
 
 

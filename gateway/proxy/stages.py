@@ -72,7 +72,7 @@ def vllm_priority(ctx: "RequestContext") -> int:
 def claim_slot(rt: "Runtime", ctx: "RequestContext", payload: bytes, token_ids: list[int] | None = None) -> None:
     """The request's ticket for admission (None while it is off), its work in prompt tokens:
     exact when routing tokenized the request, else estimated from the body's size."""
-    if ctx.endpoint in _NO_SEAT:
+    if ctx.endpoint in _NO_SEAT or not rt.admission.active:
         return
     cost = len(token_ids) if token_ids else len(payload) / CHARS_PER_TOKEN
     ctx.ticket = rt.admission.ticket(ctx.tenant, ctx.priority_class, cost)
