@@ -100,7 +100,10 @@ class Ticket:
         adm = self.admission
         while True:
             await adm.wait(self, model)
-            free = [r for r in adm.pool.eligible(model) if adm.has_slot(r)]
+            eligible = adm.pool.eligible(model)
+            if not eligible:  # its replicas went (ejected, drained, removed) while it waited
+                raise NoReplica(f"no healthy replica serves model '{model}'")
+            free = [r for r in eligible if adm.has_slot(r)]
             if free:
                 return free
 
@@ -214,6 +217,10 @@ class Admission:
                 if entry is None:
                     break
                 self.queue_len -= 1
+                if entry.item.future.done():
+                    # Its task was cancelled (deadline, disconnect) and has not run its
+                    # clean-up yet: it leaves without the slot, which stays free.
+                    continue
                 self.reserved[r] = self.reserved.get(r, 0) + 1
                 entry.item.future.set_result(r)
 

@@ -1,12 +1,17 @@
-"""Each replica's admission limit: configured, or learned from what the replica reports, less others' load."""
+"""Admission's own accounting: each replica's limit (configured, or learned from what the replica
+reports, less others' load), and slots handed on when a waiter leaves in the same instant."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import pytest
 
 from gateway.proxy.admission import Admission
-from gateway.proxy.pool import ReplicaPool, apply_vllm_metrics
+from gateway.proxy.pool import PoolEvents, ReplicaPool, apply_vllm_metrics
 from gateway.settings import PoolSettings
+from policies.tenants import Tenant
 
 
 def _scrape(running: float, waiting: float) -> str:
@@ -46,3 +51,24 @@ def test_a_configured_limit_is_shared_with_the_replicas_other_clients_never_belo
     r.in_flight = 0
     apply_vllm_metrics(r, _scrape(running=10, waiting=30))
     assert adm.limit(r) == 1  # a stale or crowded view never stalls this instance
+
+
+@pytest.mark.anyio
+async def test_a_waiter_cancelled_before_it_ran_leaves_its_slot_to_the_next() -> None:
+    adm: Admission
+    pool = ReplicaPool(PoolSettings(), httpx.AsyncClient(), events=PoolEvents(on_release=lambda r: adm.released(r)))
+    adm = Admission(pool, active=lambda: True)
+    r = pool.add("r1", "http://127.0.0.1:1", models=["m"], max_in_flight=1)
+    lease = pool.acquire(r)
+    tenant = Tenant("a", "a", "salt", queue_timeout_s=60)
+    first = asyncio.ensure_future(adm.ticket(tenant, "standard", 10).wait("m"))
+    second = asyncio.ensure_future(adm.ticket(tenant, "standard", 10).wait("m"))
+    await asyncio.sleep(0)
+    assert adm.queue_len == 2
+    first.cancel()  # its client went away; its clean-up has not run yet
+    lease.release()  # and in the same instant the slot frees
+    assert await asyncio.wait_for(second, 5) == [r]
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert adm.queue_len == 0 and adm.reserved == {} and adm.stats()["tenants"]["a"]["disconnect"] == 1
+    await pool.client.aclose()
