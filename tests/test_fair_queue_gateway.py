@@ -284,6 +284,11 @@ def test_a_shutdown_answers_every_queued_request_with_a_503_and_lets_the_one_in_
     url = f"http://127.0.0.1:{port}"
     try:
         held, held_out = _background(_chat, url, "sk-a", "HOLD")
+        for _ in range(500):  # the held request has the slot before the others queue for it
+            if capture.received:
+                break
+            threading.Event().wait(0.02)
+        assert [r.text for r in capture.received] == ["HOLD"]
         waiting = [_background(_chat, url, key, f"queued {i}") for i, key in enumerate(["sk-a", "sk-b"] * 3)]
 
         def depth() -> float:
