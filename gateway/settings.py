@@ -67,8 +67,9 @@ class ReplicaSettings(_Section):
     # on what the replica really holds (routing.kv_events).
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    # The replica's vLLM --scheduling-policy. Only "priority" accepts a non-zero `priority`
-    # field, so tenants' classes (policies.priority) are sent to such replicas only.
+    # The replica's vLLM --scheduling-policy. Tenants' classes (policies.priority) are sent as
+    # `priority` to "priority" replicas only: under fcfs a non-zero value is refused by vLLM's
+    # protocol (and by engines that enforce it) and ignored by vLLM 0.33.
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # Requests in flight and waiting at the replica, fleet-wide, past which kvgate queues them
     # itself (gateway.proxy.admission). Unset: learned from what the replica reports on /metrics.

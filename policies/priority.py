@@ -1,9 +1,12 @@
 """Scheduling classes: a tenant's class, a request's own, and the value vLLM is sent. Pure.
 
 vLLM's ``--scheduling-policy priority`` runs lower ``priority`` values first (ties
-first-come); under its default ``fcfs`` it refuses any value but 0. So ``standard``
-is 0, and a tenant of the default class never needs the field: what a first-come
-replica receives is what it received before classes existed. ``interactive`` is
+first-come). Under its default ``fcfs`` the field does nothing: vLLM's protocol
+says any value but 0 is an error there (engines that enforce it answer 400;
+0.33 accepts and ignores it), so kvgate sends it only to replicas configured as
+``priority``. ``standard`` is 0, so a tenant of the default class never needs
+the field: what a first-come replica receives is what it received before
+classes existed. ``interactive`` is
 below it and ``batch`` above, one step each: the scheduler compares values only,
 so the size of a step means nothing.
 

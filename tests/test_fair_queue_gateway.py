@@ -111,15 +111,18 @@ def test_priority_is_sent_from_the_tenants_class_only_to_replicas_that_schedule_
     for key, header, expected in cases:
         for model, name in (("m-prio", "prio"), ("m-fifo", "fifo")):
             r = httpx.post(fleet.url + "/v1/chat/completions", timeout=10,
-                           headers={"authorization": f"Bearer {key}",
+                           headers={"authorization": f"Bearer {key}", "x-vllm-priority": "-100",
                                     **({"x-kvgate-priority": header} if header else {})},
                            # The client's own priority is never the one sent.
                            json={"model": model, "max_tokens": 1, "priority": -100,
                                  "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text
-            sent = fleet.captures[name].received[-1].body
+            got = fleet.captures[name].received[-1]
+            sent = got.body
             want = expected if name == "prio" else None  # fcfs: never a priority, 0 included
             assert sent.get("priority") == want, (key, header, name, sent)
+            # vLLM's own priority header (it wins over the body there) never passes through.
+            assert "x-vllm-priority" not in got.headers and "x-kvgate-priority" not in got.headers
     # The text completions route takes it too; /v1/messages has no such field in vLLM.
     openai.OpenAI(base_url=fleet.url + "/v1", api_key="sk-live", max_retries=0).completions.create(
         model="m-prio", prompt="hi", max_tokens=1)

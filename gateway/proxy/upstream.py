@@ -66,7 +66,7 @@ class UpstreamCall:
     connect_timeout_s: float
     max_attempts: int
     # vLLM's ``priority`` for the request's class (policies.priority); sent only to replicas
-    # started with --scheduling-policy priority: a first-come one refuses any value but 0.
+    # started with --scheduling-policy priority: under fcfs it is refused or ignored.
     priority: int = 0
 
     def payload_for(self, replica: Replica) -> bytes:

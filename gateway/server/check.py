@@ -13,10 +13,13 @@ or ``skip`` when the config does not ask for it:
 * **block size**: where the replica publishes KV events, its block size equals
   ``routing.block_size`` (precise routing keys token ids by it);
 * **kv events**: its PUB and replay endpoints accept a connection;
-* **scheduling**: the replica's ``scheduling_policy`` as configured; where that is
-  ``priority``, a one-token completion sent with a non-zero ``priority`` must be
-  accepted (vLLM under ``fcfs`` refuses it with a 400, which would refuse every
-  request of a non-standard tenant class there);
+* **scheduling**: the replica's ``scheduling_policy`` as configured (vLLM's
+  ``/metrics`` does not say which policy runs); where that is ``priority``, a
+  one-token completion sent with ``priority`` 1 must not be refused. vLLM's
+  protocol says a non-zero priority is an error without priority scheduling, and
+  engines that enforce it answer 400, which would refuse every request of a
+  non-standard tenant class there; vLLM 0.33 accepts and ignores it, so there
+  an answer of 200 shows only that nothing is refused;
 * **token ids**: for each model with a ``routing.tokenizers`` directory, the ids
   kvgate computes for a probe chat equal the ones the replica's ``/tokenize``
   gives (a different tokenizer or chat template would make every precise lookup
@@ -166,7 +169,8 @@ def add_scheduling(add: Callable[..., None], r: ReplicaSettings, served: list[st
     except httpx.HTTPError:
         status = None
     if status == 200:
-        add("scheduling", "ok", "priority (configured): a request with priority 1 was accepted")
+        add("scheduling", "ok", "priority (configured): a request with priority 1 was accepted (an fcfs vLLM "
+                                "0.33 accepts it too and ignores it: its /metrics cannot tell which runs)")
     elif status == 400:
         add("scheduling", "FAIL", "priority (configured), but the replica refuses a non-zero priority: start "
                                   "vLLM with --scheduling-policy priority, or set scheduling_policy: fcfs")

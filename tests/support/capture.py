@@ -29,6 +29,7 @@ __all__ = ["Capture", "Received"]
 class Received:
     path: str
     raw: bytes
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def body(self) -> dict[str, Any]:
@@ -53,7 +54,7 @@ class Capture:
 
     def app(self) -> Starlette:
         async def generate(request: Request) -> Response:
-            got = Received(request.url.path, await request.body())
+            got = Received(request.url.path, await request.body(), dict(request.headers))
             self.received.append(got)
             if self.refuse_priority and got.body.get("priority"):
                 return Response(orjson.dumps({"error": {
