@@ -346,3 +346,36 @@ def test_a_runtime_tenants_class_set_through_the_admin_api_reaches_the_replica()
     finally:
         admin.stop()
         fleet.close()
+
+
+def test_a_config_reload_changes_what_a_replica_is_sent(tmp_path: Path) -> None:
+    import yaml
+
+    from gateway.admin.api import build_admin_app
+
+    capture = Capture(MODEL)
+    upstream = ServerThread(capture.app(), lifespan="off").start()
+    path = tmp_path / "kvgate.yaml"
+
+    def write(policy: str) -> None:
+        path.write_text(yaml.safe_dump({
+            "replicas": [{"name": "r1", "url": upstream.url, "models": [MODEL], "scheduling_policy": policy}],
+            "pool": POOL, "admin": {"token": "adm"},
+            "tenants": [{"name": "a", "api_keys": ["sk-a"], "priority": "interactive"}]}))
+
+    write("fcfs")
+    app = build_app(load_settings(path, environ={}), config_path=path)
+    gateway = ServerThread(app).start()
+    admin = ServerThread(build_admin_app(app.state.runtime), lifespan="off").start()
+    try:
+        assert _chat(gateway.url, "sk-a", "hi").status_code == 200
+        assert "priority" not in capture.received[-1].body
+        write("priority")  # the replica was restarted with --scheduling-policy priority
+        assert httpx.post(admin.url + "/admin/config/reload", headers={"authorization": "Bearer adm"},
+                          timeout=10).status_code == 200
+        assert _chat(gateway.url, "sk-a", "hi").status_code == 200
+        assert capture.received[-1].body["priority"] == -1
+    finally:
+        admin.stop()
+        gateway.stop()
+        upstream.stop()

@@ -112,6 +112,10 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
         if name not in rt.pool.replicas:
             rt.pool.add(name, spec.url, weight=spec.weight, models=spec.models,
                         scheduling_policy=spec.scheduling_policy, max_in_flight=spec.max_in_flight)
+        elif rt.pool.replicas[name].source == "config":
+            # What a replica takes and how many may be sent it change without a restart.
+            replica = rt.pool.replicas[name]
+            replica.scheduling_policy, replica.max_in_flight = spec.scheduling_policy, spec.max_in_flight
     rt.settings = rt.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
                                                  "timeouts": new.timeouts})
     rt.policy = rt.make_policy(new.routing)
@@ -121,6 +125,7 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
         rt.tokenization = await asyncio.to_thread(Tokenization(new.routing).load)
         await old.aclose()
     rt.sync_kv_events()
+    rt.admission.pump()  # a raised limit frees slots for whoever waits
     return {"reloaded": True, "replicas": sorted(rt.pool.replicas)}
 
 
