@@ -32,6 +32,7 @@ from .routing_sync import RoutingSync
 from gateway.proxy.pool import PoolEvents, Replica, ReplicaPool
 from gateway.apis.responses.ids import ResponseIds, derive_id_key
 from .settings import Settings
+from gateway.observe.savings import Savings
 from gateway.observe.stats import DecisionTimes, TenantStats
 from gateway.observe.tracing import Tracing
 from gateway.observe.trends import Trends
@@ -116,6 +117,8 @@ class Runtime:
         self.endpoint_stats = EndpointStats()
         self.trends = Trends(self.metrics, interval_s=settings.admin.trend_interval_s,
                              samples=settings.admin.trend_samples)
+        rate = settings.admin.savings_sample_rate
+        self.savings: Savings | None = Savings(settings.routing, self.metrics, rate) if rate > 0 else None
         self.routing_counts = {"first_choice": 0, "retried": 0}
         self.background: set[asyncio.Task[Any]] = set()
         self.routing_sync: RoutingSync | None = None
