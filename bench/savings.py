@@ -36,15 +36,15 @@ from routing.savings import SavingsLedger
 
 from .pools import DEFAULT_RATIO, pool_size
 from .routing import DEFAULT_DATA, build_workloads, calibrate, ideal_hit_ratio
-from .routing_sim import SimSettings, simulate, token_ids
+from .routing_sim import SimSettings, SimView, simulate
 from .workloads import Workload
 
 
 class Attached:
     """The default policy with the ledger fed as the gateway feeds it (after each answer)."""
 
-    def __init__(self, policy: PrefixAffinity, ledger: SavingsLedger, tokens: bool) -> None:
-        self.policy, self.ledger, self.tokens = policy, ledger, tokens
+    def __init__(self, policy: PrefixAffinity, ledger: SavingsLedger, calls: list) -> None:  # type: ignore[type-arg]
+        self.policy, self.ledger, self.calls = policy, ledger, calls
         self.name = policy.name
         self.fleet: Sequence[ReplicaView] = ()
 
@@ -54,27 +54,40 @@ class Attached:
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         self.policy.observe(request, feedback)
-        self.ledger.served(request, request.namespace, feedback.replica, self.fleet,
-                           feedback.prompt_tokens or 0, feedback.cached_tokens or 0)
+        # What the replicas looked like then (the views change as the run goes on), for the CPU replay.
+        fleet = [SimView(v.name, prefill_rate=v.prefill_rate, kv_tokens=v.kv_tokens) for v in self.fleet]
+        call = (request, request.namespace, feedback.replica, fleet, feedback.prompt_tokens or 0,
+                feedback.cached_tokens or 0)
+        self.calls.append(call)
+        self.ledger.served(*call)
 
 
-def run(w: Workload, rate: float, base: SimSettings, tokens: bool) -> tuple[float, int, SavingsLedger, float]:
-    ledger = SavingsLedger(RoutingSettings(), rate=rate)
-    if tokens:  # the stand-in token ids the simulator derives from the engine's blocks
-        originals = {r.rid: r for r in w.requests}
-        _ = originals
+def cpu_us(calls: list, entries: int, rate: float) -> tuple[float, float]:  # type: ignore[type-arg]
+    """The ledger's own CPU per request, replayed alone over the run's calls (timed inside the run,
+    the simulator's garbage collections land in it), and the replay's round-robin estimate."""
+    ledger = SavingsLedger(RoutingSettings(), entries=entries, rate=rate or None)
+    for call in calls:
+        ledger.served(*call)
+    return ledger.cpu_s / max(1, len(calls)) * 1e6, ledger.totals().rr_computed_tokens
+
+
+def run(w: Workload, rate: float, entries: int, base: SimSettings,
+        tokens: bool) -> tuple[float, int, SavingsLedger, float, float]:
+    ledger = SavingsLedger(RoutingSettings(), entries=entries, rate=rate or None)
+    calls: list = []  # type: ignore[type-arg]
 
     def make(clock):  # type: ignore[no-untyped-def]
-        return Attached(PrefixAffinity(RoutingSettings(), clock), ledger, tokens)
+        return Attached(PrefixAffinity(RoutingSettings(), clock), ledger, calls)
 
-    if tokens:
-        stats = simulate(w, make, replace(base, kv_events=True))
-    else:
-        stats = simulate(w, make, base)
+    # With KV events on, the simulator gives every request token ids (stand-ins, equal exactly as
+    # far as the engine's blocks are), so the shadow is fed token-block keys as in precise mode.
+    stats = simulate(w, make, replace(base, kv_events=True) if tokens else base)
     estimate = ledger.totals().rr_computed_tokens
     rr = simulate(w, lambda clock: RoundRobin(), base)
     exact = rr.prompt_tokens - rr.cached_tokens
-    return estimate, exact, ledger, stats.prompt_tokens - stats.cached_tokens
+    us, again = cpu_us(calls, entries, rate)
+    assert abs(again - estimate) < 1e-6 * max(1.0, estimate), (again, estimate)  # the replay is the run's
+    return estimate, exact, ledger, stats.prompt_tokens - stats.cached_tokens, us
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -83,7 +96,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workloads", nargs="+",
                    default=["twin", "mtbench", "mooncake", "shared_prefix", "unique", "orgs_layered"])
-    p.add_argument("--rates", type=float, nargs="+", default=[1 / 16], help="shadow sample rates R")
+    p.add_argument("--rates", type=float, nargs="+", default=[0],
+                   help="shadow sample rates R (0: the rate --entries allows, as the gateway chooses it)")
+    p.add_argument("--entries", type=int, default=8192, help="sampled blocks a replica's shadow may keep")
     p.add_argument("--blocks", choices=["routing", "tokens"], default="routing")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--load", type=float, default=0.7)
@@ -101,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     print(f"blocks: {args.blocks}; {args.replicas} replicas; pools {args.pool_ratio:g} x the reused working set")
     print("| workload | R | RR computed, estimated | RR computed, exact | error | saved (est.) | "
-          "shadow per replica | CPU per request |")
-    print("|---|---|---|---|---|---|---|---|")
+          "shadows per replica | correction | CPU per request |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.workloads:
         print(f"building {name} ...", file=sys.stderr, flush=True)
         (w,) = build_workloads(argparse.Namespace(**{**vars(args), "workloads": [name], "kv_tokens": 0,
@@ -112,17 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         base = SimSettings(replicas=args.replicas, kv_tokens=pool.kv_tokens, seed=args.seed)
         calibrate(w, ideal_hit_ratio(w), base, args.load)
         for rate in args.rates:
-            estimate, exact, ledger, actual = run(w, rate, base, args.blocks == "tokens")
+            estimate, exact, ledger, actual, us = run(w, rate, args.entries, base, args.blocks == "tokens")
             error = (estimate - exact) / exact if exact else float("nan")
             shadow = ledger.to_dict()["shadow"]
-            per_replica = shadow["memory_bytes"] / max(1, len(shadow["entries"]))  # type: ignore[index,arg-type]
-            entries = sum(shadow["entries"].values()) / max(1, len(shadow["entries"]))  # type: ignore[index,union-attr,arg-type]
-            print(f"| {w.name} | 1/{1 / rate:g} | {estimate:,.0f} | {exact:,} | {error:+.1%} | "
-                  f"{1 - actual / estimate:.1%} | {per_replica / 1024:,.0f} KiB ({entries:,.0f} entries of "
-                  f"{pool.blocks:,} blocks) | {shadow['cpu_us_per_request']} us |", flush=True)
+            n = max(1, len(shadow["entries"]))  # type: ignore[index,arg-type]
+            per_replica = shadow["memory_bytes"] / n  # type: ignore[index,operator]
+            # Both shadows (round robin's and the mirror), per replica.
+            entries = (sum(shadow["entries"].values()) + sum(shadow["mirror_entries"].values())) / n  # type: ignore[index,union-attr]
+            print(f"| {w.name} | 1/{1 / ledger.rr.rate:g} | {estimate:,.0f} | {exact:,} | {error:+.1%} | "
+                  f"{1 - actual / estimate:.1%} | {per_replica / 1024:,.0f} KiB ({entries:,.0f} entries; pool "
+                  f"{pool.blocks:,} blocks) | {shadow['correction']} | {us:.0f} us |",
+                  flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    _ = token_ids
     raise SystemExit(main())

@@ -117,8 +117,8 @@ class Runtime:
         self.endpoint_stats = EndpointStats()
         self.trends = Trends(self.metrics, interval_s=settings.admin.trend_interval_s,
                              samples=settings.admin.trend_samples)
-        rate = settings.admin.savings_sample_rate
-        self.savings: Savings | None = Savings(settings.routing, self.metrics, rate) if rate > 0 else None
+        entries = settings.admin.savings_shadow_entries
+        self.savings: Savings | None = Savings(settings.routing, self.metrics, entries) if entries else None
         self.routing_counts = {"first_choice": 0, "retried": 0}
         self.background: set[asyncio.Task[Any]] = set()
         self.routing_sync: RoutingSync | None = None

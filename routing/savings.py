@@ -21,6 +21,7 @@ its own cost.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Sequence
@@ -28,10 +29,10 @@ from typing import NamedTuple, Sequence
 from .base import ReplicaView, RouteRequest
 from .keys import analyse
 from .settings import RoutingSettings
-from .shadow import ShadowFleet
+from .shadow import ShadowFleet, sampled
 from .token_keys import block_keys
 
-__all__ = ["PrefillCounters", "SavingsLedger", "Served", "request_blocks"]
+__all__ = ["PrefillCounters", "SavingsLedger", "Served", "budget_rate", "request_blocks"]
 
 # Where precise mode keeps a request's token-block keys (``routing.kv_events``): reused, not rehashed.
 _TOKEN_KEYS = "kvgate.block_keys"
@@ -65,10 +66,10 @@ class PrefillCounters:
     rr_computed_s: float = 0.0
 
     def row(self) -> dict[str, float | int | None]:
-        out: dict[str, float | int | None] = {k: round(v, 3) if isinstance(v, float) else v
+        out: dict[str, float | int | None] = {k: round(v, 6) if isinstance(v, float) else v
                                               for k, v in asdict(self).items()}
         out["saved_tokens"] = round(self.rr_computed_tokens - self.computed_tokens, 1)
-        out["saved_s"] = round(self.rr_computed_s - self.computed_s, 3)
+        out["saved_s"] = round(self.rr_computed_s - self.computed_s, 6)
         out["saved_share"] = (round(1 - self.computed_tokens / self.rr_computed_tokens, 4)
                               if self.rr_computed_tokens > 0 else None)
         return out
@@ -92,19 +93,66 @@ def _rates(fleet: Sequence[ReplicaView]) -> dict[str, float]:
     return {r.name: known.get(r.name, mean) for r in fleet}  # type: ignore[misc]
 
 
-class SavingsLedger:
-    """The shadow, and per tenant and per replica totals of both sides."""
+# Sampled blocks a typical prompt should keep: the midpoint's error per prefix end is then under
+# 1/64 of the prompt, and the CPU a request costs is about this many LRU moves per shadow, not
+# its whole length (a 2,048-block prompt at rate 1: 700 us).
+SAMPLES_PER_PROMPT = 32
 
-    def __init__(self, settings: RoutingSettings | None = None, rate: float = 1 / 16) -> None:
+
+def budget_rate(entries: int, pool_blocks: float | None, prompt_blocks: float | None = None) -> float:
+    """The sample rate: a power of 1/2 (the samples at 1/2^k are a subset of those at 1/2^(k-1)),
+    the largest that keeps a replica's shadow within ``entries``, and no larger than leaves
+    ``SAMPLES_PER_PROMPT`` of a mean prompt of ``prompt_blocks``; 1 when neither binds."""
+    rate = 1.0
+    if pool_blocks and pool_blocks > entries:
+        rate = 2.0 ** -math.ceil(math.log2(pool_blocks / entries))
+    if prompt_blocks and prompt_blocks > 2 * SAMPLES_PER_PROMPT:
+        rate = min(rate, 2.0 ** -math.floor(math.log2(prompt_blocks / SAMPLES_PER_PROMPT)))
+    return rate
+
+
+class SavingsLedger:
+    """The shadows, and per tenant and per replica totals of both sides.
+
+    Two shadows see the same sampled blocks: ``rr`` places each request by round robin, ``mirror``
+    where it really went. The mirror's estimate of what the replicas held is checked against what
+    they reported (``cached_tokens``), request by request, and round robin's estimated hits are
+    scaled by the ratio of the two sums (a ratio estimator): what biases both alike (routing
+    blocks converted to tokens at the request's mean density, when a shared system prompt is
+    denser or sparser than the rest; blocks pinned by running requests) cancels.
+    """
+
+    def __init__(self, settings: RoutingSettings | None = None, entries: int = 8192,
+                 rate: float | None = None) -> None:
+        """``entries``: the most sampled blocks a replica's shadow keeps; the rate follows from the
+        largest pool (``budget_rate``). ``rate``: a fixed rate instead (benchmarks, tests)."""
         self.settings = settings or RoutingSettings()
-        self.shadow = ShadowFleet(rate)
+        self.budget = entries
+        self.fixed = rate
+        self.rr = ShadowFleet(rate or 1.0)
+        self.mirror = ShadowFleet(rate or 1.0)
         self.tenants: dict[str, PrefillCounters] = {}
         self.replicas: dict[str, PrefillCounters] = {}
         # Tokens per routing block, learned from usage (sum of prompt tokens / sum of blocks):
         # sizes the shadow of a pool given in tokens when blocks are routing blocks.
         self._tokens_seen = 0.0
         self._blocks_seen = 0.0
+        # Hashed blocks per request, for the sample rate.
+        self._prompts = 0
+        self._prompt_blocks = 0
+        # The ratio estimator's sums: tokens the replicas reported cached, and the mirror's estimate.
+        self.reported_hits = 0.0
+        self.mirror_hits = 0.0
         self.cpu_s = 0.0  # time spent in ``served``, for the per-request figure
+
+    @property
+    def shadow(self) -> ShadowFleet:
+        return self.rr
+
+    @property
+    def correction(self) -> float:
+        """Reported over mirrored hits (1 until the mirror has estimated any)."""
+        return self.reported_hits / self.mirror_hits if self.mirror_hits > 0 else 1.0
 
     def served(self, request: RouteRequest, tenant: str, replica: str, fleet: Sequence[ReplicaView],
                prompt_tokens: int, cached_tokens: int) -> Served | None:
@@ -116,37 +164,62 @@ class SavingsLedger:
         finally:
             self.cpu_s += time.perf_counter() - started
 
+    def _blocks(self, request: RouteRequest, prompt_tokens: int) -> tuple[list[int], float, float, float | None]:
+        """The blocks, tokens per block for this request, blocks past the hashed ones, and tokens
+        per block for sizing pools (None before any is known)."""
+        blocks, per_block = request_blocks(request, self.settings)
+        if per_block is not None:
+            return blocks, per_block, 0.0, per_block
+        size = len(analyse(request, self.settings).rendered.data)
+        if not size:
+            return blocks, 0.0, 0.0, None
+        per_block = prompt_tokens * self.settings.block_chars / size
+        self._tokens_seen += prompt_tokens
+        self._blocks_seen += size / self.settings.block_chars
+        tail = max(0.0, size / self.settings.block_chars - len(blocks))
+        return blocks, per_block, tail, self._tokens_seen / self._blocks_seen
+
+    def _size(self, fleet: Sequence[ReplicaView], mean_block: float | None, blocks: int) -> None:
+        """Follow the pools and the prompts: the rate ``budget_rate`` gives (the shadows restart when
+        it moves: at once when the memory budget needs it, else only for a factor of 4, so a mean
+        wandering around a power of 2 does not restart them over and over)."""
+        self._prompts += 1
+        self._prompt_blocks += blocks
+        if self.fixed is not None or mean_block is None:
+            return
+        largest = max((r.kv_tokens or 0.0 for r in fleet), default=0.0) / mean_block
+        memory = budget_rate(self.budget, largest or None)
+        rate = min(memory, budget_rate(self.budget, None, self._prompt_blocks / self._prompts))
+        current = self.rr.rate
+        if memory < current or rate >= 4 * current or rate <= current / 4:
+            self.rr.resize(rate)
+            self.mirror.resize(rate)
+
     def _served(self, request: RouteRequest, tenant: str, replica: str, fleet: Sequence[ReplicaView],
                 prompt_tokens: int, cached_tokens: int) -> Served | None:
         if prompt_tokens <= 0:
             return None
         names = [r.name for r in fleet] or [replica]
-        rr = self.shadow.place(names) or replica
-        blocks, per_block = request_blocks(request, self.settings)
-        if per_block is None:  # routing blocks: this request's own tokens per block
-            size = len(analyse(request, self.settings).rendered.data)
-            per_block = prompt_tokens * self.settings.block_chars / size if size else 0.0
-            self._tokens_seen += prompt_tokens * min(1.0, len(blocks) * self.settings.block_chars / size) \
-                if size else 0.0
-            self._blocks_seen += len(blocks)
-            mean_block = self._tokens_seen / self._blocks_seen if self._blocks_seen else None
-        else:
-            mean_block = per_block
-        view = next((r for r in fleet if r.name == rr), None)
-        pool = view.kv_tokens if view is not None else None
-        capacity = pool / mean_block if pool and mean_block else None
-        hit_blocks = self.shadow.serve(rr, blocks, capacity) if blocks else 0.0
+        rr = self.rr.place(names) or replica
+        blocks, per_block, tail, mean_block = self._blocks(request, prompt_tokens)
+        self._size(fleet, mean_block, len(blocks))
+        pools = {r.name: r.kv_tokens / mean_block if r.kv_tokens and mean_block else None for r in fleet}
+        keep = sampled(blocks, self.rr.threshold)
+        rr_blocks = self.rr.serve(rr, blocks, pools.get(rr), tail, keep) if blocks else 0.0
+        mirror_blocks = self.mirror.serve(replica, blocks, pools.get(replica), tail, keep) if blocks else 0.0
         # vLLM computes at least the last token: hits stop at the last full block before it.
         bs = self.settings.block_size
-        hit = min(hit_blocks * per_block, float((prompt_tokens - 1) // bs * bs))
-        rr_computed = prompt_tokens - hit
-        computed = max(0, prompt_tokens - max(0, cached_tokens))
+        most = float((prompt_tokens - 1) // bs * bs)
+        cached = min(max(0, cached_tokens), prompt_tokens)
+        self.reported_hits += cached
+        self.mirror_hits += min(mirror_blocks * per_block, most)
+        rr_computed = prompt_tokens - min(rr_blocks * per_block * self.correction, most)
+        computed = prompt_tokens - cached
         rates = _rates(fleet)
         real_rate, rr_rate = rates.get(replica), rates.get(rr)
         computed_s = computed / real_rate if real_rate else None
         rr_s = rr_computed / rr_rate if rr_rate else None
-        for row in (self._row(self.tenants, tenant),):
-            self._add(row, prompt_tokens, computed, rr_computed, computed_s, rr_s)
+        self._add(self._row(self.tenants, tenant), prompt_tokens, computed, rr_computed, computed_s, rr_s)
         real, shadow = self._row(self.replicas, replica), self._row(self.replicas, rr)
         real.requests += 1
         real.prompt_tokens += prompt_tokens
@@ -155,7 +228,8 @@ class SavingsLedger:
         shadow.rr_computed_tokens += rr_computed
         shadow.rr_computed_s += rr_s or 0.0
         if len(self.replicas) > 2 * len(names) + 8:
-            self.shadow.retain(names)
+            self.rr.retain(names)
+            self.mirror.retain(names)
         return Served(rr, computed, rr_computed, computed_s, rr_s)
 
     @staticmethod
@@ -188,12 +262,13 @@ class SavingsLedger:
 
     def to_dict(self) -> dict[str, object]:
         requests = self.totals().requests
-        entries = self.shadow.entries()
         return {
             "totals": self.totals().row(),
             "tenants": [{"name": n, **c.row()} for n, c in sorted(self.tenants.items())],
             "replicas": [{"name": n, **c.row()} for n, c in sorted(self.replicas.items())],
-            "shadow": {"sample_rate": self.shadow.rate, "entries": entries,
-                       "memory_bytes": self.shadow.memory_bytes(),
+            "shadow": {"sample_rate": self.rr.rate, "entries": self.rr.entries(),
+                       "mirror_entries": self.mirror.entries(),
+                       "memory_bytes": self.rr.memory_bytes() + self.mirror.memory_bytes(),
+                       "correction": round(self.correction, 4),
                        "cpu_us_per_request": round(self.cpu_s / requests * 1e6, 2) if requests else None},
         }

@@ -43,23 +43,30 @@ Its bias, stated: with no sampled hit the estimate is 0, so a hit shorter
 than the request's first sampled position is missed (the flat prior would say
 ``m / 2``, but most such requests are cold: a unique prompt must count as
 computed, and is). That undercounts round robin's hits by less than ``1/R``
-blocks on the requests where it happens, so the savings are, if anything,
-understated. A shadow LRU also differs from vLLM's pool where requests pin
-blocks in flight (a pool full of running requests evicts sooner); and blocks
-past ``routing.max_blocks`` are not hashed, so are not seen.
+blocks on the requests where it happens, which would overstate the savings;
+the mirror (``routing.savings``) undercounts the real placement's hits the same
+way, and its correction scales it out.
 
 The counting estimator (sampled hits / R, each sampled block standing for
 1/R) is unbiased too, but one shared prefix's sample count is one draw for
 every request that shares it: a 500-block system prompt at R = 1/16 is
-counted 17% off, the same way for all its requests. The midpoint's error
-does not grow with the prefix (``bench/savings.py`` measures both).
+counted 17% off (one standard deviation), the same way for all its requests.
+The midpoint's error does not grow with the prefix.
 
-**The rate.** R = 1/16 by default: the midpoint's error per prefix end is
-under 8 blocks (128 tokens), below a typical shared layer's length, and the
-shadow holds 1/16 of the pools' block count: about 6 bytes of pool
-bookkeeping per block of KV (an entry is about 100 bytes). The benchmark's
-table (``bench/savings.py``) gives the error against an exact replay, the
-memory and the CPU per request at other rates.
+**The rate** is chosen by ``routing.savings.budget_rate``, a power of 1/2: the
+largest that keeps each replica's shadow within a memory budget (8,192
+entries, about 1.1 MB, twice with the mirror), and no larger than leaves 32 sampled blocks in a mean
+prompt. The first bounds memory; the second the error (half a gap per prefix
+end: under 1/64 of a prompt) and the CPU (about 32 LRU moves a request,
+whatever its length). Rates above it buy nothing measurable: on the routing
+benchmark's workloads the error at 1/4 and at 1/64 differed by under a point
+where prompts are long (``bench/savings.py --rates``), and short prompts get
+rate 1.
+
+What the shadow cannot see (``routing.savings`` corrects for what biases it
+alike under both placements, with a second shadow at the real placement):
+blocks past ``routing.max_blocks`` are not hashed (their room in the pool is
+counted: ``tail``), and a pool full of running requests evicts sooner.
 """
 
 from __future__ import annotations
@@ -74,9 +81,11 @@ __all__ = ["ShadowFleet", "sampled", "SAMPLE_SPACE"]
 # hash mod SAMPLE_SPACE < threshold keeps a block: 2^24, as SHARDS' implementation.
 SAMPLE_SPACE = 1 << 24
 _MASK = SAMPLE_SPACE - 1
-# Bytes one shadow entry costs (an OrderedDict slot: key, link node, table share),
+# Bytes one shadow entry costs (an OrderedDict slot: the int key, link node, table share),
 # measured with tracemalloc on CPython 3.11 (``tests/test_savings.py`` checks it).
-ENTRY_BYTES = 104
+ENTRY_BYTES = 140
+# Keys a prompt's unhashed tail apart from its blocks (an odd constant: never a block's own hash in practice).
+_TAIL = 0x9E3779B97F4A7C15
 
 
 # Past this many blocks the test is vectorised: numpy's conversion costs about as much as
@@ -93,15 +102,25 @@ def sampled(blocks: Sequence[int], threshold: int) -> list[int]:
 
 
 class ShadowFleet:
-    """Shadow LRUs of every replica's sampled blocks under round-robin placement."""
+    """Shadow LRUs of every replica's sampled blocks, placed by round robin (or as told)."""
 
     def __init__(self, rate: float = 1 / 16) -> None:
+        self._lrus: dict[str, OrderedDict[int, float]] = {}
+        self._weights: dict[str, float] = {}
+        self._next = 0
+        self.rate = 1.0
+        self.threshold = SAMPLE_SPACE
+        self.resize(rate)
+
+    def resize(self, rate: float) -> None:
+        """Sample at ``rate`` from now on; the shadows start again (sampled at the old rate, they
+        would be a different sample)."""
         if not 0 < rate <= 1:
             raise ValueError("rate must be in (0, 1]")
         self.rate = rate
         self.threshold = max(1, round(rate * SAMPLE_SPACE))
-        self._lrus: dict[str, OrderedDict[int, None]] = {}
-        self._next = 0
+        self._lrus.clear()
+        self._weights.clear()
 
     def place(self, replicas: Sequence[str]) -> str | None:
         """The replica round robin gives the next request, over ``replicas`` sorted by name."""
@@ -112,20 +131,33 @@ class ShadowFleet:
         self._next += 1
         return name
 
-    def serve(self, replica: str, blocks: Sequence[int], capacity: float | None) -> float:
+    def serve(self, replica: str, blocks: Sequence[int], capacity: float | None, tail: float = 0.0,
+              keep: list[int] | None = None) -> float:
         """Blocks of ``blocks``' prefix ``replica`` would hold (the estimate above), then hold them all.
 
-        ``capacity``: the replica's pool in blocks of this kind (None: not known yet, no eviction)."""
+        ``capacity``: the replica's pool in blocks of this kind (None: not known yet, no eviction).
+        ``tail``: blocks of the prompt past ``blocks`` (past ``routing.max_blocks``): never looked
+        up, but they take room in the pool, so they take their share of it in the shadow (one
+        entry weighing their expected samples). ``keep``: ``sampled(blocks, self.threshold)``,
+        when the caller has it."""
         lru = self._lrus.get(replica)
         if lru is None:
             lru = self._lrus[replica] = OrderedDict()
-        keep = sampled(blocks, self.threshold)
+            self._weights[replica] = 0.0
+        if keep is None:
+            keep = sampled(blocks, self.threshold)
         hit = 0.0
         for i in range(len(keep) - 1, -1, -1):
             if blocks[keep[i]] in lru:
                 end = keep[i + 1] if i + 1 < len(keep) else len(blocks)
                 hit = (keep[i] + 1 + end) / 2
                 break
+        weight = self._weights[replica]
+        if tail > 0 and blocks:
+            key = blocks[-1] ^ _TAIL
+            weight -= lru.pop(key, 0.0)
+            lru[key] = tail * self.rate
+            weight += tail * self.rate
         # The request leaves its prompt on the replica: tail first, so the head is the most
         # recently used and evicted last, as vLLM frees a request's blocks.
         for j in reversed(keep):
@@ -133,17 +165,20 @@ class ShadowFleet:
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = None
+                lru[h] = 1.0
+                weight += 1.0
         if capacity is not None:
-            room = max(1, int(capacity * self.rate))
-            while len(lru) > room:
-                lru.popitem(last=False)
+            room = max(1.0, capacity * self.rate)
+            while weight > room and lru:
+                weight -= lru.popitem(last=False)[1]
+        self._weights[replica] = weight
         return hit
 
     def retain(self, replicas: Sequence[str]) -> None:
         """Forget the shadows of replicas that left the pool."""
         for name in [n for n in self._lrus if n not in replicas]:
             del self._lrus[name]
+            del self._weights[name]
 
     def entries(self) -> dict[str, int]:
         return {name: len(lru) for name, lru in sorted(self._lrus.items())}

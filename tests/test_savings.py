@@ -211,3 +211,40 @@ def test_admin_savings_after_traffic_and_a_semantic_hit(stack: Stack) -> None:
     assert f'kvgate_prefill_computed_tokens_total{{placement="actual",replica=' in metrics
     assert (f'kvgate_semantic_cache_saved_tokens_total{{kind="completion",tenant="acme"}} '
             f'{float(first.usage.completion_tokens)}') in metrics
+
+
+def test_entry_bytes_is_what_an_entry_costs() -> None:
+    import tracemalloc
+
+    fleet = ShadowFleet(1.0)
+    rng = random.Random(3)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(200):
+        fleet.serve("r1", [rng.getrandbits(64) for _ in range(100)], None)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert fleet.entries() == {"r1": 20_000}
+    assert 0.8 < used / 20_000 / ENTRY_BYTES < 1.25, used / 20_000
+
+
+def test_budget_rate_bounds_memory_and_samples_per_prompt() -> None:
+    from routing.savings import SAMPLES_PER_PROMPT, budget_rate
+
+    assert budget_rate(8192, 5000) == 1.0  # a small pool fits whole
+    assert budget_rate(8192, 8192 * 3) == 1 / 4  # the largest power of 1/2 within the budget
+    assert budget_rate(8192, None, 2048) == 1 / 64  # 32 samples of a 2,048-block prompt
+    assert budget_rate(8192, 8192 * 100, 2048) == 1 / 128  # the tighter of the two
+    assert budget_rate(8192, None, 2 * SAMPLES_PER_PROMPT) == 1.0  # short prompts: every block
+
+
+def test_an_unhashed_tail_takes_its_room() -> None:
+    """A prompt longer than routing hashes still fills the pool: its first prompt is evicted for it."""
+    first, second = _chain(1, 100, "a"), _chain(2, 100, "b")
+    # Capacity 300 blocks: a tail of 150 evicts half of the first prompt (its tail end: heads are
+    # evicted last), one of 250 all of it.
+    for tail, expect in ((0.0, 100.0), (150.0, 50.0), (250.0, 0.0)):
+        fleet = ShadowFleet(1.0)
+        fleet.serve("r1", first, 300)
+        fleet.serve("r1", second, 300, tail=tail)
+        assert fleet.serve("r1", first, 300) == expect

@@ -199,7 +199,7 @@ def _routes(rt: Runtime) -> list[Route]:
 
     async def savings(request: Request) -> Response:
         if rt.savings is None:
-            raise NotFound("savings accounting is off (admin.savings_sample_rate: 0)", code="savings_off")
+            raise NotFound("savings accounting is off (admin.savings_shadow_entries: 0)", code="savings_off")
         return JSONResponse(rt.savings.to_dict())
 
     g = _guard

@@ -45,8 +45,8 @@ class CacheSavings:
 
 
 class Savings:
-    def __init__(self, routing: RoutingSettings, metrics: Metrics, sample_rate: float) -> None:
-        self.ledger = SavingsLedger(routing, rate=sample_rate)
+    def __init__(self, routing: RoutingSettings, metrics: Metrics, entries: int) -> None:
+        self.ledger = SavingsLedger(routing, entries=entries)
         self.metrics = metrics
         self.cache: dict[str, CacheSavings] = {}
         self._decode_s = 0.0
