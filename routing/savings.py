@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Sequence
 
@@ -140,6 +141,9 @@ class SavingsLedger:
         # Hashed blocks per request, for the sample rate.
         self._prompts = 0
         self._prompt_blocks = 0
+        # What a hit ending at a sampled block is worth, in tokens, as a replica reported it when
+        # the mirror's hit ended there (bounded, oldest forgotten first).
+        self.worth: OrderedDict[int, int] = OrderedDict()
         # The ratio estimator's sums: tokens the replicas reported cached, and the mirror's estimate.
         self.reported_hits = 0.0
         self.mirror_hits = 0.0
@@ -205,15 +209,20 @@ class SavingsLedger:
         self._size(fleet, mean_block, len(blocks))
         pools = {r.name: r.kv_tokens / mean_block if r.kv_tokens and mean_block else None for r in fleet}
         keep = sampled(blocks, self.rr.threshold)
-        rr_blocks = self.rr.serve(rr, blocks, pools.get(rr), tail, keep) if blocks else 0.0
-        mirror_blocks = self.mirror.serve(replica, blocks, pools.get(replica), tail, keep) if blocks else 0.0
         # vLLM computes at least the last token: hits stop at the last full block before it.
         bs = self.settings.block_size
         most = float((prompt_tokens - 1) // bs * bs)
         cached = min(max(0, cached_tokens), prompt_tokens)
+        rr_hit = self._hit(self.rr, rr, blocks, pools, tail, keep, per_block, most)
+        mirrored = self._hit(self.mirror, replica, blocks, pools, tail, keep, per_block, most)
         self.reported_hits += cached
-        self.mirror_hits += min(mirror_blocks * per_block, most)
-        rr_computed = prompt_tokens - min(rr_blocks * per_block * self.correction, most)
+        self.mirror_hits += mirrored
+        if self.mirror.boundary is not None and cached:
+            self.worth[self.mirror.boundary] = cached
+            self.worth.move_to_end(self.mirror.boundary)
+            if len(self.worth) > self.budget:
+                self.worth.popitem(last=False)
+        rr_computed = prompt_tokens - min(rr_hit * self.correction, most)
         computed = prompt_tokens - cached
         rates = _rates(fleet)
         real_rate, rr_rate = rates.get(replica), rates.get(rr)
@@ -231,6 +240,18 @@ class SavingsLedger:
             self.rr.retain(names)
             self.mirror.retain(names)
         return Served(rr, computed, rr_computed, computed_s, rr_s)
+
+    def _hit(self, shadow: ShadowFleet, replica: str, blocks: list[int], pools: dict[str, float | None],
+             tail: float, keep: list[int], per_block: float, most: float) -> float:
+        """Prompt tokens ``shadow`` estimates ``replica`` holds: what a replica reported for a hit
+        ending at the same sampled block, when one did (exact, whatever the text's density);
+        else the blocks at this request's tokens per block."""
+        if not blocks:
+            shadow.boundary = None
+            return 0.0
+        got = shadow.serve(replica, blocks, pools.get(replica), tail, keep)
+        known = self.worth.get(shadow.boundary) if shadow.boundary is not None else None
+        return float(min(known, most)) if known is not None else min(got * per_block, most)
 
     @staticmethod
     def _add(row: PrefillCounters, prompt: int, computed: int, rr: float, computed_s: float | None,

@@ -108,6 +108,9 @@ class ShadowFleet:
         self._lrus: dict[str, OrderedDict[int, float]] = {}
         self._weights: dict[str, float] = {}
         self._next = 0
+        # The deepest sampled block the last ``serve`` found held (None: no hit): names where its
+        # hit ended, for ``routing.savings`` to learn what a hit ending there is worth.
+        self.boundary: int | None = None
         self.rate = 1.0
         self.threshold = SAMPLE_SPACE
         self.resize(rate)
@@ -146,11 +149,11 @@ class ShadowFleet:
             self._weights[replica] = 0.0
         if keep is None:
             keep = sampled(blocks, self.threshold)
-        hit = 0.0
+        hit, self.boundary = 0.0, None
         for i in range(len(keep) - 1, -1, -1):
             if blocks[keep[i]] in lru:
                 end = keep[i + 1] if i + 1 < len(keep) else len(blocks)
-                hit = (keep[i] + 1 + end) / 2
+                hit, self.boundary = (keep[i] + 1 + end) / 2, blocks[keep[i]]
                 break
         weight = self._weights[replica]
         if tail > 0 and blocks:
