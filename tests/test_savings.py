@@ -248,3 +248,60 @@ def test_an_unhashed_tail_takes_its_room() -> None:
         fleet.serve("r1", first, 300)
         fleet.serve("r1", second, 300, tail=tail)
         assert fleet.serve("r1", first, 300) == expect
+
+
+def test_ledger_at_rate_one_with_token_ids_is_the_exact_replay() -> None:
+    """The ledger end to end, fed as the gateway feeds it: requests with token ids served where an
+    affinity policy put them, with the cached tokens an exact replica model reports there. Its
+    round-robin figure must be the exact round-robin replay's, and its own side what was reported."""
+    from dataclasses import dataclass
+
+    from routing import RouteRequest
+    from routing.savings import SavingsLedger
+    from routing.token_keys import block_keys
+
+    @dataclass
+    class View:
+        name: str
+        prefill_rate: float | None = 1000.0
+        kv_tokens: float | None = 3000 * 16.0
+
+    fleet = [View(n) for n in REPLICAS]
+    rng = random.Random(4)
+    systems = [[rng.randrange(50_000) for _ in range(rng.randint(300, 2000))] for _ in range(10)]
+    prompts = []
+    for i in range(300):
+        s = rng.randrange(len(systems))
+        prompts.append((s, systems[s] + [rng.randrange(50_000) for _ in range(rng.randint(5, 400))]))
+
+    def replay(place) -> list[int]:  # type: ignore[no-untyped-def]
+        pools: dict[str, OrderedDict[int, None]] = {r: OrderedDict() for r in REPLICAS}
+        out = []
+        for i, (s, tokens) in enumerate(prompts):
+            pool, blocks = pools[place(i, s)], block_keys(tokens, 16)
+            h = 0
+            while h < len(blocks) and blocks[h] in pool:
+                h += 1
+            out.append(min(h * 16, (len(tokens) - 1) // 16 * 16))
+            for b in reversed(blocks):
+                pool[b] = None
+                pool.move_to_end(b)
+            while len(pool) > 3000:
+                pool.popitem(last=False)
+        return out
+
+    def affinity(i: int, s: int) -> str:
+        return REPLICAS[s % len(REPLICAS)]
+
+    served = replay(affinity)
+    exact_rr = sum(len(t) for _, t in prompts) - sum(replay(lambda i, s: REPLICAS[i % len(REPLICAS)]))
+    ledger = SavingsLedger(rate=1.0)
+    for i, ((s, tokens), cached) in enumerate(zip(prompts, served)):
+        request = RouteRequest("completions", "m", "ns", {"prompt": tokens}, token_ids=tokens)
+        ledger.served(request, "acme", affinity(i, s), fleet, len(tokens), cached)  # type: ignore[arg-type]
+    totals = ledger.totals()
+    assert totals.computed_tokens == sum(len(t) for _, t in prompts) - sum(served)
+    assert ledger.correction == pytest.approx(1.0)
+    assert totals.rr_computed_tokens == pytest.approx(exact_rr)
+    assert totals.rr_computed_tokens > 1.3 * totals.computed_tokens  # affinity saves: the test has teeth
+    assert totals.rr_computed_s == pytest.approx(exact_rr / 1000.0)
