@@ -208,7 +208,7 @@ def test_admin_savings_after_traffic_and_a_semantic_hit(stack: Stack) -> None:
 
     metrics = httpx.get(stack.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
     assert 'kvgate_prefill_computed_tokens_total{placement="round_robin"' in metrics
-    assert f'kvgate_prefill_computed_tokens_total{{placement="actual",replica=' in metrics
+    assert 'kvgate_prefill_computed_tokens_total{placement="actual",replica=' in metrics
     assert (f'kvgate_semantic_cache_saved_tokens_total{{kind="completion",tenant="acme"}} '
             f'{float(first.usage.completion_tokens)}') in metrics
 
@@ -220,7 +220,7 @@ def test_entry_bytes_is_what_an_entry_costs() -> None:
     rng = random.Random(3)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    for i in range(200):
+    for _ in range(200):
         fleet.serve("r1", [rng.getrandbits(64) for _ in range(100)], None)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
@@ -270,7 +270,7 @@ def test_ledger_at_rate_one_with_token_ids_is_the_exact_replay() -> None:
     rng = random.Random(4)
     systems = [[rng.randrange(50_000) for _ in range(rng.randint(300, 2000))] for _ in range(10)]
     prompts = []
-    for i in range(300):
+    for _ in range(300):
         s = rng.randrange(len(systems))
         prompts.append((s, systems[s] + [rng.randrange(50_000) for _ in range(rng.randint(5, 400))]))
 
