@@ -15,7 +15,8 @@ request): the token-block keys when the request carries token ids (precise
 mode's keys, ``routing.token_keys``: vLLM's blocks exactly), else the
 routing blocks of its canonical stream (``routing.keys.analyse``, cached in
 the request's scratch), converted to tokens at the request's own ratio of
-prompt tokens to bytes. Pure: no I/O, no clock but the CPU timer that measures
+prompt tokens to bytes, or, where a replica already reported a hit ending at
+the same sampled block, at what it reported (``SavingsLedger.worth``). Pure: no I/O, no clock but the CPU timer that measures
 its own cost.
 """
 
@@ -116,11 +117,16 @@ class SavingsLedger:
     """The shadows, and per tenant and per replica totals of both sides.
 
     Two shadows see the same sampled blocks: ``rr`` places each request by round robin, ``mirror``
-    where it really went. The mirror's estimate of what the replicas held is checked against what
-    they reported (``cached_tokens``), request by request, and round robin's estimated hits are
-    scaled by the ratio of the two sums (a ratio estimator): what biases both alike (routing
-    blocks converted to tokens at the request's mean density, when a shared system prompt is
-    denser or sparser than the rest; blocks pinned by running requests) cancels.
+    where it really went. The mirror does two things with what the replicas reported
+    (``cached_tokens``):
+
+    * where its hit ended at a sampled block, the replica's figure is what a hit ending there is
+      worth (``worth``): round robin's hits ending at the same block are counted at it, exact
+      whatever the text's density (mtbench's system prompt is denser in tokens than the
+      questions after it: at the request's mean density its hits were 10% too long);
+    * its estimates, summed, against the reported sum scale round robin's (a ratio estimator):
+      what biases both alike (hits shorter than a gap, blocks pinned by running requests)
+      cancels.
     """
 
     def __init__(self, settings: RoutingSettings | None = None, entries: int = 8192,

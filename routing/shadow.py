@@ -59,8 +59,8 @@ entries, about 1.1 MB, twice with the mirror), and no larger than leaves 32 samp
 prompt. The first bounds memory; the second the error (half a gap per prefix
 end: under 1/64 of a prompt) and the CPU (about 32 LRU moves a request,
 whatever its length). Rates above it buy nothing measurable: on the routing
-benchmark's workloads the error at 1/4 and at 1/64 differed by under a point
-where prompts are long (``bench/savings.py --rates``), and short prompts get
+benchmark's workloads the error at 1/4 and at 1/64 differed by under two
+points where prompts are long (``bench/savings.py --rates``), and short prompts get
 rate 1.
 
 What the shadow cannot see (``routing.savings`` corrects for what biases it
