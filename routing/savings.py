@@ -16,8 +16,8 @@ mode's keys, ``routing.token_keys``: vLLM's blocks exactly), else the
 routing blocks of its canonical stream (``routing.keys.analyse``, cached in
 the request's scratch), converted to tokens at the request's own ratio of
 prompt tokens to bytes, or, where a replica already reported a hit ending at
-the same sampled block, at what it reported (``SavingsLedger.worth``). Pure: no I/O, no clock but the CPU timer that measures
-its own cost.
+the same sampled block, at what it reported (``SavingsLedger.worth``). Pure:
+no I/O, no clock but the CPU timer that measures its own cost.
 """
 
 from __future__ import annotations
