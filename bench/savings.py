@@ -129,15 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         for rate in args.rates:
             estimate, exact, ledger, actual, us = run(w, rate, args.entries, base, args.blocks == "tokens")
             error = (estimate - exact) / exact if exact else float("nan")
-            shadow = ledger.to_dict()["shadow"]
-            n = max(1, len(shadow["entries"]))  # type: ignore[index,arg-type]
-            per_replica = shadow["memory_bytes"] / n  # type: ignore[index,operator]
-            # Both shadows (round robin's and the mirror), per replica.
-            entries = (sum(shadow["entries"].values()) + sum(shadow["mirror_entries"].values())) / n  # type: ignore[index,union-attr]
+            rr, mirror = ledger.rr.entries(), ledger.mirror.entries()
+            n = max(1, len(rr))
+            # Both shadows (round robin's and the mirror) and the worth table, per replica.
+            per_replica = ledger.to_dict()["shadow"]["memory_bytes"] / n  # type: ignore[index]
+            entries = (sum(rr.values()) + sum(mirror.values())) / n
             print(f"| {w.name} | 1/{1 / ledger.rr.rate:g} | {estimate:,.0f} | {exact:,} | {error:+.1%} | "
                   f"{1 - actual / estimate:.1%} | {per_replica / 1024:,.0f} KiB ({entries:,.0f} entries; pool "
-                  f"{pool.blocks:,} blocks) | {shadow['correction']} | {us:.0f} us |",
-                  flush=True)
+                  f"{pool.blocks:,} blocks) | {ledger.correction:.4f} | {us:.0f} us |", flush=True)
     return 0
 
 

@@ -31,7 +31,7 @@ from typing import NamedTuple, Sequence
 from .base import ReplicaView, RouteRequest
 from .keys import analyse
 from .settings import RoutingSettings
-from .shadow import ShadowFleet, sampled
+from .shadow import ENTRY_BYTES, ShadowFleet, sampled
 from .token_keys import block_keys
 
 __all__ = ["PrefillCounters", "SavingsLedger", "Served", "budget_rate", "request_blocks"]
@@ -295,7 +295,9 @@ class SavingsLedger:
             "replicas": [{"name": n, **c.row()} for n, c in sorted(self.replicas.items())],
             "shadow": {"sample_rate": self.rr.rate, "entries": self.rr.entries(),
                        "mirror_entries": self.mirror.entries(),
-                       "memory_bytes": self.rr.memory_bytes() + self.mirror.memory_bytes(),
+                       # Both shadows and the worth table (an entry each, of the same size).
+                       "memory_bytes": self.rr.memory_bytes() + self.mirror.memory_bytes()
+                       + len(self.worth) * ENTRY_BYTES,
                        "correction": round(self.correction, 4),
                        "cpu_us_per_request": round(self.cpu_s / requests * 1e6, 2) if requests else None},
         }
