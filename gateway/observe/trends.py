@@ -2,10 +2,11 @@
 
 Every ``interval_s`` (10 s) a background task reads the running totals the
 Prometheus metrics already keep (requests, prompt and cached tokens, the TTFT
-histogram) and stores what changed since the last reading: the request rate,
-the fleet's prefix-cache hit rate, TTFT p95 and the share of round robin's
-prefill that routing saved (``gateway.observe.savings``) over that interval. ``samples``
-(90) of them make the last 15 minutes. Nothing is added to the hot path; one
+histogram, prefill computed and round robin's estimate) and stores what
+changed since the last reading: the request rate, the fleet's prefix-cache hit
+rate, TTFT p95 and the share of round robin's prefill that routing saved
+(``gateway.observe.savings``) over that interval. ``samples`` (90) of them
+make the last 15 minutes. Nothing is added to the hot path; one
 reading walks the metric families once.
 
 TTFT p95 is estimated from the histogram's bucket counts the way Prometheus'

@@ -127,8 +127,12 @@ def account_savings(rt: "Runtime", ctx: "RequestContext", route: "RouteRequest",
                     outcome: Outcome) -> None:
     """What routing saved on this answer against round robin (``gateway.observe.savings``), over the
     replicas round robin would have rotated over: the ones eligible for the model now."""
-    if rt.savings is not None:
+    if rt.savings is None:
+        return
+    try:
         rt.savings.served(route, ctx.tenant.name, replica, rt.pool.eligible(ctx.model), outcome, ctx.started)
+    except Exception:  # an accounting bug costs the savings figures, never the answer
+        log.exception("savings accounting failed", extra={"request_id": ctx.request_id})
 
 
 async def store_answer(rt: "Runtime", ctx: "RequestContext", outcome: Outcome) -> None:
