@@ -305,3 +305,32 @@ def test_ledger_at_rate_one_with_token_ids_is_the_exact_replay() -> None:
     assert totals.rr_computed_tokens == pytest.approx(exact_rr)
     assert totals.rr_computed_tokens > 1.3 * totals.computed_tokens  # affinity saves: the test has teeth
     assert totals.rr_computed_s == pytest.approx(exact_rr / 1000.0)
+
+
+def test_the_trend_is_the_share_saved_in_each_interval() -> None:
+    from gateway.observe.metrics import Metrics
+    from gateway.observe.trends import Trends
+    from tests.support.clock import Clock
+
+    clock, wall = Clock(), Clock(1_800_000_000.0)
+    metrics = Metrics()
+    trends = Trends(metrics, interval_s=10, samples=4, clock=clock, wall=wall)
+    trends.tick()
+    metrics.prefill_tokens.labels("actual", "r1", "acme").inc(300)
+    metrics.prefill_tokens.labels("round_robin", "r2", "acme").inc(1000)
+    clock.t += 10
+    wall.t += 10
+    trends.tick()
+    assert trends.samples[-1].prefill_saved_share == pytest.approx(0.7)
+    # The next interval counts only its own: round robin would have computed what we did.
+    metrics.prefill_tokens.labels("actual", "r1", "acme").inc(500)
+    metrics.prefill_tokens.labels("round_robin", "r1", "acme").inc(500)
+    clock.t += 10
+    wall.t += 10
+    trends.tick()
+    assert trends.samples[-1].prefill_saved_share == pytest.approx(0.0)
+    clock.t += 10
+    wall.t += 10
+    trends.tick()  # nothing served: a gap
+    assert trends.samples[-1].prefill_saved_share is None
+    assert trends.to_dict()["samples"][0]["prefill_saved_share"] == pytest.approx(0.7)
