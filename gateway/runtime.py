@@ -33,6 +33,7 @@ from gateway.proxy.admission import Admission
 from gateway.proxy.pool import PoolEvents, Replica, ReplicaPool
 from gateway.apis.responses.ids import ResponseIds, derive_id_key
 from .settings import Settings
+from gateway.observe.savings import Savings
 from gateway.observe.stats import DecisionTimes, TenantStats
 from gateway.observe.tracing import Tracing
 from gateway.observe.trends import Trends
@@ -122,6 +123,8 @@ class Runtime:
         self.endpoint_stats = EndpointStats()
         self.trends = Trends(self.metrics, interval_s=settings.admin.trend_interval_s,
                              samples=settings.admin.trend_samples)
+        entries = settings.admin.savings_shadow_entries
+        self.savings: Savings | None = Savings(settings.routing, self.metrics, entries) if entries else None
         self.routing_counts = {"first_choice": 0, "retried": 0}
         self.background: set[asyncio.Task[Any]] = set()
         self.routing_sync: RoutingSync | None = None

@@ -49,6 +49,10 @@ class AdminSettings(_Section):
     # The status page's trend lines: one sample per interval, the last N kept (10 s x 90 = 15 min).
     trend_interval_s: float = Field(10.0, gt=0, le=3600)
     trend_samples: int = Field(90, ge=2, le=10_000)
+    # The savings shadows (GET /admin/savings; routing.shadow): the most sampled blocks each keeps
+    # per replica (about 140 bytes each, two shadows); the sample rate is the largest power of
+    # 1/2 that fits the largest pool in it (docs/savings.md). 0: no savings accounting.
+    savings_shadow_entries: int = Field(8192, ge=0, le=1 << 24)
 
 
 class ReplicaSettings(_Section):

@@ -62,12 +62,14 @@ def test_status_page_renders_in_headless_chromium(tmp_path: Path) -> None:
         subprocess.run([*common, f"--screenshot={shot}", url], capture_output=True, timeout=90, check=False)
         assert "r1" in dom.stdout and "r2" in dom.stdout, dom.stdout[-2000:]
         assert "<th>routed</th>" in dom.stdout  # replicas without KV events: approximate
+        assert re.search(r'<tbody id="savings"><tr><td><b>acme</b></td>', dom.stdout), dom.stdout[-3000:]
         assert "acme" in dom.stdout and "timestamp" in dom.stdout  # the hygiene warning shows
         assert re.search(r"<code>chat</code></td>\s*<td>15</td>", dom.stdout), dom.stdout[-3000:]  # the endpoints table
-        # Three trend lines, each drawn from at least one sample, as an SVG path.
+        # Four trend lines, each drawn from at least one sample, as an SVG path.
         lines = re.findall(r'<svg class="spark" data-key="(\w+)" data-points="(\d+)".*?<path class="line" d="([^"]*)"',
                            dom.stdout)
-        assert {k for k, _, _ in lines} == {"requests_per_s", "prefix_hit_rate", "ttft_p95_s"}, dom.stdout[-3000:]
+        assert {k for k, _, _ in lines} == {"requests_per_s", "prefix_hit_rate", "ttft_p95_s",
+                                            "prefill_saved_share"}, dom.stdout[-3000:]
         for key, points, path in lines:
             assert int(points) >= 1 and path.startswith("M"), (key, points, path)
         assert int(dict((k, n) for k, n, _ in lines)["requests_per_s"]) >= 4

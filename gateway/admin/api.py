@@ -2,7 +2,8 @@
 
 Replicas (list with live load and prefix hit rate; add, drain, remove), tenants
 (CRUD, key rotation), caches (statistics, purge), routing, hygiene reports,
-trends (the status page's last 15 minutes) and configuration reload;
+trends (the status page's last 15 minutes), savings against round robin and
+configuration reload;
 ``/openapi.json`` describes all of it, and ``/`` serves the status page.
 
 Every request but ``GET /`` (the page's static HTML, which holds no data) must
@@ -199,6 +200,11 @@ def _routes(rt: Runtime) -> list[Route]:
     async def trends(request: Request) -> Response:
         return JSONResponse(rt.trends.to_dict())
 
+    async def savings(request: Request) -> Response:
+        if rt.savings is None:
+            raise NotFound("savings accounting is off (admin.savings_shadow_entries: 0)", code="savings_off")
+        return JSONResponse(rt.savings.to_dict())
+
     g = _guard
     return [
         Route("/admin/replicas", g(replicas), methods=["GET"]),
@@ -216,6 +222,7 @@ def _routes(rt: Runtime) -> list[Route]:
         Route("/admin/config/reload", g(reload), methods=["POST"]),
         Route("/admin/status", g(status), methods=["GET"]),
         Route("/admin/trends", g(trends), methods=["GET"]),
+        Route("/admin/savings", g(savings), methods=["GET"]),
         *_tenant_routes(rt, g),
     ]
 

@@ -97,7 +97,9 @@ _SCHEMAS: dict[str, Any] = {
             "t": {"type": "number", "description": "end of the interval, unix seconds"},
             "requests_per_s": {"type": "number"},
             "prefix_hit_rate": {"type": "number", "nullable": True},
-            "ttft_p95_s": {"type": "number", "nullable": True}}}}}},
+            "ttft_p95_s": {"type": "number", "nullable": True},
+            "prefill_saved_share": {"type": "number", "nullable": True,
+                                    "description": "1 - prefill computed / round robin's estimate"}}}}}},
     "KeyIn": {"type": "object", "additionalProperties": False, "properties": {
         "rotate": {"type": "boolean"}, "key_id": {"type": "string", "maxLength": 64, "nullable": True}}},
 }
@@ -130,8 +132,12 @@ def openapi_document() -> dict[str, Any]:
         "/admin/config/reload": {"post": _op("Reload the configuration file", "200", schema=_OBJ,
                                              errors=("400",))},
         "/admin/status": {"get": _op("Everything the status page shows", "200", schema=_OBJ)},
+        "/admin/savings": {"get": _op("Prefill computed against round robin's estimate (tokens, GPU-seconds) "
+                                      "and the semantic cache's savings, per tenant and per replica, with the "
+                                      "shadow's memory and CPU", "200", schema=_OBJ, errors=("404",))},
         "/admin/trends": {"get": _op("Per-interval samples (request rate, fleet prefix-cache hit rate, "
-                                     "TTFT p95) for the last 15 minutes", "200",
+                                     "TTFT p95, prefill saved against round robin) for the last 15 minutes",
+                                     "200",
                                      schema={"$ref": "#/components/schemas/Trends"})},
         "/admin/tenants": {
             "get": _op("List tenants (never key material)", "200", schema=_OBJ),

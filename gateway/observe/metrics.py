@@ -223,6 +223,25 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_exits = Counter("kvgate_queue_exits", "how waits in the fair queue ended: served, timeout "
                                    "(429), disconnect, shutdown (503)", ["tenant", "outcome"], registry=r)
+        # What routing saved (gateway.observe.savings): prompt tokens computed, and the same at each
+        # replica's learned prefill rate, by the fleet (exact) and by round robin (the shadow's estimate).
+        self.prefill_tokens = Counter("kvgate_prefill_computed_tokens",
+                                      "prompt tokens computed (prompt - cached): placement=actual as the replicas "
+                                      "reported, round_robin as the sampled shadow estimates round robin would "
+                                      "have, at the replica it would have used", ["placement", "replica", "tenant"],
+                                      registry=r)
+        self.prefill_seconds = Counter("kvgate_prefill_computed_seconds",
+                                       "kvgate_prefill_computed_tokens at each replica's learned prefill rate "
+                                       "(GPU-seconds; not counted before a replica's rate is known)",
+                                       ["placement", "replica", "tenant"], registry=r)
+        self.semantic_saved = Counter("kvgate_semantic_cache_saved_tokens",
+                                      "tokens never sent to a replica: the stored usage of answers served from "
+                                      "the semantic cache, by kind (prompt, completion)", ["kind", "tenant"],
+                                      registry=r)
+        self.semantic_saved_decode = Counter("kvgate_semantic_cache_saved_decode_seconds",
+                                             "decode seconds the semantic cache's hits saved: their completion "
+                                             "tokens at the decode time per token measured on relayed streams",
+                                             ["tenant"], registry=r)
         self.multiprocess_dir = multiprocess_dir
         scraped = (_CacheCollector(cache), _PolicyCollector(policy), _KVEventsCollector(kv_events),
                    _QueueCollector(admission))

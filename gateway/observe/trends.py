@@ -2,9 +2,11 @@
 
 Every ``interval_s`` (10 s) a background task reads the running totals the
 Prometheus metrics already keep (requests, prompt and cached tokens, the TTFT
-histogram) and stores what changed since the last reading: the request rate,
-the fleet's prefix-cache hit rate and TTFT p95 over that interval. ``samples``
-(90) of them make the last 15 minutes. Nothing is added to the hot path; one
+histogram, prefill computed and round robin's estimate) and stores what
+changed since the last reading: the request rate, the fleet's prefix-cache hit
+rate, TTFT p95 and the share of round robin's prefill that routing saved
+(``gateway.observe.savings``) over that interval. ``samples`` (90) of them
+make the last 15 minutes. Nothing is added to the hot path; one
 reading walks the metric families once.
 
 TTFT p95 is estimated from the histogram's bucket counts the way Prometheus'
@@ -33,6 +35,8 @@ class _Totals:
     prompt_tokens: float
     cached_tokens: float
     ttft_buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ascending
+    computed: float = 0.0  # prompt tokens the fleet computed
+    rr_computed: float = 0.0  # what round robin would have (the savings shadow's estimate)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class TrendSample:
     requests_per_s: float
     prefix_hit_rate: float | None  # cached / prompt tokens in the interval; None without prompt tokens
     ttft_p95_s: float | None       # None when no stream started in the interval
+    # 1 - computed / round robin's computed in the interval; None without a served prompt.
+    prefill_saved_share: float | None = None
 
 
 def _samples(metric: Any) -> Iterable[Any]:
@@ -60,7 +66,13 @@ def read_totals(metrics: Metrics, now: float) -> _Totals:
         if s.name.endswith("_bucket"):
             le = float(s.labels["le"])
             buckets[le] = buckets.get(le, 0.0) + s.value  # summed over endpoints
-    return _Totals(now, requests, tokens["prompt"], tokens["cached"], tuple(sorted(buckets.items())))
+    placed = {"actual": 0.0, "round_robin": 0.0}
+    for s in _samples(metrics.prefill_tokens):
+        placement = s.labels.get("placement")
+        if s.name.endswith("_total") and placement in placed:
+            placed[placement] += s.value
+    return _Totals(now, requests, tokens["prompt"], tokens["cached"], tuple(sorted(buckets.items())),
+                   placed["actual"], placed["round_robin"])
 
 
 def quantile(q: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
@@ -86,9 +98,12 @@ def interval_sample(before: _Totals, after: _Totals, wall: float) -> TrendSample
     cached = after.cached_tokens - before.cached_tokens
     previous = dict(before.ttft_buckets)
     delta = tuple((le, count - previous.get(le, 0.0)) for le, count in after.ttft_buckets)
+    rr = after.rr_computed - before.rr_computed
+    computed = after.computed - before.computed
     return TrendSample(t=round(wall, 3), requests_per_s=max(after.requests - before.requests, 0.0) / span,
                        prefix_hit_rate=cached / prompt if prompt > 0 else None,
-                       ttft_p95_s=quantile(0.95, delta))
+                       ttft_p95_s=quantile(0.95, delta),
+                       prefill_saved_share=1 - computed / rr if rr > 0 else None)
 
 
 class Trends:
@@ -118,5 +133,6 @@ class Trends:
     def to_dict(self) -> dict[str, Any]:
         return {"interval_s": self.interval_s, "capacity": self.samples.maxlen,
                 "samples": [{"t": s.t, "requests_per_s": round(s.requests_per_s, 3),
-                             "prefix_hit_rate": s.prefix_hit_rate, "ttft_p95_s": s.ttft_p95_s}
+                             "prefix_hit_rate": s.prefix_hit_rate, "ttft_p95_s": s.ttft_p95_s,
+                             "prefill_saved_share": s.prefill_saved_share}
                             for s in self.samples]}

@@ -151,6 +151,7 @@ class ProxyEndpoint:
                     outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None,
                     ttft_s=outcome.ttft_s))
                 rt.decision_times.add(attempt.prefer_s + time.perf_counter() - started)
+                stages.account_savings(rt, ctx, route, replica.name, outcome)
             stages.after_response(rt, ctx, replica.name, outcome)
             return replica.name, outcome
         finally:

@@ -21,6 +21,7 @@ from .relay import SSE_HEADERS, Outcome
 
 if TYPE_CHECKING:
     from policies import Tenant
+    from routing import RouteRequest
 
     from .context import RequestContext
     from gateway.runtime import Runtime
@@ -109,6 +110,8 @@ async def serve_from_cache(rt: "Runtime", ctx: "RequestContext", exchange: Excha
         return False
     row.semantic_hits += 1
     row.requests += 1
+    if rt.savings is not None:
+        rt.savings.cache_hit(ctx.tenant.name, lookup.answer.prompt_tokens, lookup.answer.completion_tokens)
     exchange.add_header("x-kvgate-cache-similarity", f"{lookup.similarity if lookup.similarity is not None else 1:.4f}")
     exchange.add_header("x-kvgate-replica", "cache")
     if ctx.stream:
@@ -142,6 +145,18 @@ def after_response(rt: "Runtime", ctx: "RequestContext", replica: str, outcome: 
         total = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
         if total and (ctx.tenant.tpm is not None):
             rt.spawn(rt.engine.record_usage(ctx.tenant, total))
+
+
+def account_savings(rt: "Runtime", ctx: "RequestContext", route: "RouteRequest", replica: str,
+                    outcome: Outcome) -> None:
+    """What routing saved on this answer against round robin (``gateway.observe.savings``), over the
+    replicas round robin would have rotated over: the ones eligible for the model now."""
+    if rt.savings is None:
+        return
+    try:
+        rt.savings.served(route, ctx.tenant.name, replica, rt.pool.eligible(ctx.model), outcome, ctx.started)
+    except Exception:  # an accounting bug costs the savings figures, never the answer
+        log.exception("savings accounting failed", extra={"request_id": ctx.request_id})
 
 
 async def store_answer(rt: "Runtime", ctx: "RequestContext", outcome: Outcome) -> None:
