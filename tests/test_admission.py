@@ -72,3 +72,57 @@ async def test_a_waiter_cancelled_before_it_ran_leaves_its_slot_to_the_next() ->
         await first
     assert adm.queue_len == 0 and adm.reserved == {} and adm.stats()["tenants"]["a"]["disconnect"] == 1
     await pool.client.aclose()
+
+
+def test_a_slot_a_tenant_below_its_share_let_go_waits_for_it_not_for_the_others_excess() -> None:
+    clock = [0.0]
+    pool = ReplicaPool(PoolSettings(), httpx.AsyncClient())
+    adm = Admission(pool, active=lambda: True, clock=lambda: clock[0])
+    r = pool.add("r1", "http://127.0.0.1:1", max_in_flight=4)
+    quiet, noisy = Tenant("quiet", "q", "salt"), Tenant("noisy", "n", "salt")
+
+    def take(tenant: Tenant) -> object:
+        ticket = adm.ticket(tenant, "standard", 10)
+        assert ticket.free([r]) == [r]
+        ticket.hold()
+        pool.acquire(r)
+        return ticket
+
+    q1, q2 = take(quiet), take(quiet)
+    take(noisy), take(noisy)
+    assert adm.ticket(noisy, "standard", 10).free([r]) == []  # full
+    clock[0] = 1.0
+    q1.done()  # quiet's request held its slot for a second; the slot frees
+    r.in_flight -= 1
+    # The others' excess waits: quiet has shown it uses 2 (its share of 4 is 2), holds 1.
+    assert adm.ticket(noisy, "standard", 10).free([r]) == []
+    assert adm.ticket(quiet, "standard", 10).free([r]) == [r]
+    clock[0] = 2.5  # quiet paused longer than one of its requests takes: the promise lapses
+    assert adm.ticket(noisy, "standard", 10).free([r]) == [r]
+    assert q2 is not None
+
+
+def test_no_probe_seat_once_the_seats_are_confirmed_while_slots_are_promised() -> None:
+    clock = [0.0]
+    pool = ReplicaPool(PoolSettings(), httpx.AsyncClient())
+    adm = Admission(pool, active=lambda: True, clock=lambda: clock[0])
+    r = pool.add("r1", "http://127.0.0.1:1")
+    r.in_flight = 5
+    apply_vllm_metrics(r, _scrape(running=4, waiting=1))
+    assert r.capacity == 4 and r.capacity_seen == 1
+    quiet = Tenant("quiet", "q", "salt")
+    ticket = adm.ticket(quiet, "standard", 10)
+    ticket.hold()
+    assert adm.limit(r) == 5  # promised, but one sighting may be a step in which a request ended
+    r.in_flight = 6  # all of them ours
+    apply_vllm_metrics(r, _scrape(running=4, waiting=2))
+    ticket.done()
+    ticket = adm.ticket(quiet, "standard", 10)
+    ticket.hold()  # quiet still shows demand
+    assert r.capacity_seen == 2 and adm.limit(r) == 4  # confirmed: a probe would take quiet's seat
+    clock[0] = 10.0
+    ticket.done()
+    assert adm.limit(r) == 4  # its demand lasts one of its requests' times after it let go
+    clock[0] = 30.0
+    adm.pump()  # as after every scrape
+    assert adm.limit(r) == 5  # nothing promised: probe again

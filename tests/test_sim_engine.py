@@ -71,6 +71,33 @@ async def test_max_num_seqs_caps_running_and_the_rest_wait() -> None:
     await engine.aclose()
 
 
+async def test_metrics_show_the_last_steps_figures_as_vllm_does() -> None:
+    # vLLM sets its running and waiting gauges from the scheduler once per step: a request that
+    # arrives during a step, with seats free, is running by the next figures, never waiting.
+    engine = _engine(max_num_seqs=4, time_scale=1.0, decode_base_s=0.02, prefill_base_s=0.0)
+    # Answers long enough that nothing here finishes, however slow the machine (the tasks are
+    # cancelled at the end).
+    first = asyncio.create_task(_run(engine, GenRequest("a", tokenize("first"), max_tokens=5000)))
+    await asyncio.sleep(0.03)  # in the middle of a decode step
+    second = asyncio.create_task(_run(engine, GenRequest("b", tokenize("second"), max_tokens=5000)))
+    await asyncio.sleep(0)
+    assert engine.num_waiting == 1  # it has not been scheduled yet ...
+    assert engine.reported == (1, 0)  # ... and the figures are the last step's
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+        assert engine.reported[1] == 0  # a seat was free at every step: nobody waited
+    assert engine.reported[0] == 2
+    # Past max_num_seqs the figures show the queue, once a step has left it waiting.
+    more = [asyncio.create_task(_run(engine, GenRequest(f"c{i}", tokenize(f"q{i}"), max_tokens=5000)))
+            for i in range(4)]
+    await asyncio.sleep(0.05)
+    assert engine.reported == (4, 2)
+    for task in (first, second, *more):
+        task.cancel()
+    await asyncio.gather(first, second, *more, return_exceptions=True)
+    await engine.aclose()
+
+
 async def test_cache_hit_shortens_time_to_first_token() -> None:
     engine = _engine(prefill_base_s=0.0, prefill_s_per_token=0.0001, decode_base_s=0.001)
     prompt = tokenize("word " * 1500)  # 1,500 tokens: 150 ms of prefill cold

@@ -119,6 +119,7 @@ class Generation:
         self._open = request.n
         self._events: list[TokenEvent] = []
         self._wake = asyncio.Event()
+        self._reported = (0, 0)
 
     @property
     def prompt_tokens(self) -> int:
@@ -172,6 +173,19 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def reported(self) -> tuple[int, int]:
+        """(running, waiting) as vLLM's ``/metrics`` shows them: as of the end of the last step.
+
+        vLLM's gauges are set from the scheduler's stats once per step, after the step's
+        outputs (``Scheduler.make_stats`` in ``update_from_output``): the running requests
+        that did not finish in it, and the waiting ones its ``schedule`` left waiting. A
+        request that arrives during a step joins the scheduler only at the next one, so it
+        never shows as waiting while seats are free. Gateways read a queue beside a full
+        batch as the replica's seat count (gateway.proxy.pool), so the instantaneous count
+        would mislead them where vLLM does not."""
+        return self._reported
 
     @property
     def num_waiting(self) -> int:
@@ -275,6 +289,7 @@ class Engine:
             # vLLM admits nobody in a step that preempted (the freed blocks go to the
             # running requests that needed them, not to newcomers).
             uncached = 0 if preempted else self._admit()
+            left_waiting = self.num_waiting
             duration = 0.0
             if len(self._running) > decoding:
                 duration += self.timing.prefill_time(uncached)
@@ -287,6 +302,7 @@ class Engine:
             await self._sleep_until_step_end(loop, duration)
             self.publish_kv_events()
             self._emit_tokens()
+            self._reported = (len(self._running), left_waiting)
 
     def publish_kv_events(self) -> None:
         """Hand the pool's cache changes to ``on_kv_events`` (blocks are computed once the step ends)."""

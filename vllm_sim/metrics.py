@@ -54,18 +54,19 @@ def _histogram(lines: list[str], name: str, help_: str, labels: Mapping[str, obj
 def render_metrics(config: SimConfig, engine: Engine) -> str:
     base = {"engine": "0", "model_name": config.model}
     pool, stats = engine.pool, engine.stats
+    running, waiting = engine.reported
     lines: list[str] = []
     _family(lines, "vllm:num_requests_running", "gauge",
-            "Number of requests in model execution batches.", [(base, engine.num_running)])
+            "Number of requests in model execution batches.", [(base, running)])
     _family(lines, "vllm:num_requests_waiting", "gauge",
-            "Number of requests waiting to be processed.", [(base, engine.num_waiting)])
+            "Number of requests waiting to be processed.", [(base, waiting)])
     # Every simulated wait is for capacity: "deferred" is vLLM's LoRA budget, KV transfer
     # or a blocked status, none of which the simulator has.
     _family(lines, "vllm:num_requests_waiting_by_reason", "gauge",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
             "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
             "status). Sum of all reasons equals vllm:num_requests_waiting.",
-            [({**base, "reason": "capacity"}, engine.num_waiting), ({**base, "reason": "deferred"}, 0)])
+            [({**base, "reason": "capacity"}, waiting), ({**base, "reason": "deferred"}, 0)])
     _family(lines, "vllm:kv_cache_usage_perc", "gauge",
             "KV-cache usage. 1 means 100 percent usage.", [(base, pool.usage)])
     _family(lines, "vllm:prefix_cache_queries_total", "counter",

@@ -28,6 +28,15 @@ capacity learned while long prompts filled the KV cache would never grow back.
 Retries on another replica (``upstream``) are not held back: a retry happens
 only after a refusal, which freed the first slot.
 
+**Shares of a full fleet** (``policies.fair_share``): a request that keeps its tenant
+within its share (the instance's slots by weight among the active tenants) may take
+a free slot even while others wait, and goes first when one frees; the slots a
+tenant with nothing waiting has shown it uses, up to its share, are promised to it,
+so a slot it lets go waits for its next request rather than go to another's excess.
+While anything is promised, a replica whose seats are confirmed gets no probe seat.
+A ticket's ``hold`` and ``done`` tell the shares who holds what (``done`` runs just
+before the lease ends, so the hand-on sees the slot as its tenant's).
+
 **The queue** is ``policies.fair_queue``: strict bands by class, weighted fair
 queueing over prompt tokens within a band. A freed slot goes to the first
 waiting request its replica can serve. A waiter leaves with a 429 and
@@ -46,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from policies.fair_queue import Entry, FairQueue
+from policies.fair_share import Shares
 from policies.priority import band
 
 from gateway.errors import NoReplica, RateLimited
@@ -62,6 +72,7 @@ _OUTCOMES = ("served", "timeout", "disconnect", "shutdown")
 @dataclass(slots=True, eq=False)
 class _Waiter:
     model: str
+    tenant: str
     future: asyncio.Future[Replica]
 
 
@@ -77,7 +88,7 @@ class _TenantTally:
 class Ticket:
     """One request's claim on a slot: who it is, its class, the work it carries."""
 
-    __slots__ = ("admission", "tenant", "cls", "cost", "deadline")
+    __slots__ = ("admission", "tenant", "cls", "cost", "deadline", "held_at")
 
     def __init__(self, admission: "Admission", tenant: "Tenant", cls: str, cost: float) -> None:
         self.admission = admission
@@ -85,13 +96,28 @@ class Ticket:
         self.cls = cls
         self.cost = max(1.0, cost)
         self.deadline: float | None = None  # the event loop's time the tenant's queue deadline ends
+        self.held_at: float | None = None  # when it took its slot (``hold``)
 
     def free(self, candidates: list[Replica]) -> list[Replica]:
-        """The candidates with a free slot; none while others wait (no one overtakes the queue)."""
+        """The candidates with a free slot this request may take now: none while others wait,
+        unless its tenant is within its share (then only the excess waits); none where the free
+        slots are held back for tenants below their share (``policies.fair_share``)."""
         adm = self.admission
-        if adm.queue_len:
+        if not adm.may_take(self.tenant.name):
             return []
         return [r for r in candidates if adm.has_slot(r)]
+
+    def hold(self) -> None:
+        """It took a slot (the caller leases a replica next)."""
+        if self.held_at is None:
+            self.held_at = self.admission.clock()
+            self.admission.hold(self.tenant.name)
+
+    def done(self) -> None:
+        """Its slot is given back; call before the lease ends, so the slot's hand-on sees it."""
+        if self.held_at is not None:
+            self.admission.release(self.tenant.name, self.admission.clock() - self.held_at)
+            self.held_at = None
 
     async def wait(self, model: str) -> list[Replica]:
         """Queue until a slot frees on a replica serving ``model``; the replicas with a free slot
@@ -120,6 +146,11 @@ class Admission:
         self.reserved: dict[Replica, int] = {}  # slots handed to woken waiters, not yet leased
         self.closed = False
         self.tallies: dict[str, _TenantTally] = {}
+        # Who holds the slots, and what is held back for tenants below their share.
+        self.shares = Shares()
+        self.weights: dict[str, float] = {}
+        self._protecting = False  # slots are promised to a tenant (fair_share): no probe seat (``limit``)
+        self._wake: asyncio.TimerHandle | None = None
 
     # -- the fast path ------------------------------------------------------------------
     @property
@@ -129,14 +160,20 @@ class Admission:
 
     def ticket(self, tenant: "Tenant", cls: str, cost: float) -> Ticket:
         """One request's claim (only while ``active``)."""
+        self.weights[tenant.name] = tenant.weight
         return Ticket(self, tenant, cls, cost)
 
-    def limit(self, r: Replica) -> float | None:
+    def limit(self, r: Replica, *, probe: bool = True) -> float | None:
         """This instance's slots on ``r``; None: no limit known."""
         if r.max_in_flight is not None:
             capacity: float = r.max_in_flight
         elif r.capacity is not None:
-            capacity = r.capacity + 1  # the probe seat (module docstring)
+            # The probe seat (module docstring), but not while slots are promised to a tenant
+            # (policies.fair_share) once the seats are confirmed (``Replica.capacity_seen``):
+            # the probe's request would wait inside the replica and take the seat that
+            # tenant's next request was promised.
+            confirmed = r.capacity_seen >= 2
+            capacity = r.capacity + (1 if probe and not (self._protecting and confirmed) else 0)
         else:
             return None
         others = (r.running or 0.0) + (r.waiting or 0.0) - r.in_flight_at_scrape
@@ -146,6 +183,82 @@ class Admission:
         limit = self.limit(r)
         return limit is None or r.in_flight + self.reserved.get(r, 0) < limit
 
+    # -- shares of a full fleet (policies.fair_share) ---------------------------------------
+    def _slots(self, *, probe: bool = True) -> float | None:
+        """The instance's slots over the replicas that can take requests; None if any has no limit
+        (not full by any evidence: nothing needs holding back)."""
+        now = self.pool.clock()
+        total = 0.0
+        for r in self.pool.replicas.values():
+            if r.available(now):
+                limit = self.limit(r, probe=probe)
+                if limit is None:
+                    return None
+                total += limit
+        return total
+
+    def _free_slots(self) -> float:
+        now = self.pool.clock()
+        free = 0.0
+        for r in self.pool.replicas.values():
+            if r.available(now):
+                limit = self.limit(r)
+                if limit is not None:
+                    free += max(0.0, limit - r.in_flight - self.reserved.get(r, 0))
+        return free
+
+    def may_take(self, tenant: str) -> bool:
+        """Whether a request of ``tenant`` may take a free slot now rather than queue."""
+        slots = self._slots()
+        if slots is None:
+            return not self.queue_len
+        now = self.clock()
+        waiting = self.queue.depths()
+        if self.shares.within_share(tenant, slots, self.weights, waiting, now):
+            return True  # only the excess waits
+        if self.queue_len:
+            return False  # no one overtakes the queue
+        return self._room(tenant, slots, waiting, now, self._free_slots())
+
+    def _room(self, tenant: str, slots: float, waiting: dict[str, int], now: float, free: float) -> bool:
+        back, lapse = self.shares.held_back(tenant, slots, self.weights, waiting, now)
+        if free - back >= 1:
+            return True
+        if lapse is not None:
+            self._wake_at(lapse)
+        return False
+
+    def hold(self, tenant: str) -> None:
+        self.shares.hold(tenant, self.clock())
+        self._update_protecting()
+
+    def release(self, tenant: str, held_s: float) -> None:
+        now = self.clock()
+        self.shares.release(tenant, now, held_s)
+        self.shares.forget_idle(now)
+        self._update_protecting()
+
+    def _update_protecting(self) -> None:
+        slots = self._slots(probe=False)
+        self._protecting = slots is not None and self.shares.promised(self.queue.depths(), self.clock())
+
+    def _wake_at(self, when: float) -> None:
+        """Pump again when a hold lapses (nothing else may free a slot for the queue then)."""
+        delay = max(0.0, when - self.clock())
+        if self._wake is not None and not self._wake.cancelled():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+
+        def wake() -> None:
+            self._wake = None
+            self._update_protecting()
+            self.pump()
+
+        self._wake = loop.call_later(delay + 0.001, wake)
+
     # -- waiting ----------------------------------------------------------------------------
     async def wait(self, ticket: Ticket, model: str) -> None:
         if self.closed:
@@ -154,7 +267,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         if ticket.deadline is None:  # one deadline however often the request is woken and requeued
             ticket.deadline = loop.time() + tenant.queue_timeout_s
-        waiter = _Waiter(model, loop.create_future())
+        waiter = _Waiter(model, tenant.name, loop.create_future())
         entry = self.queue.push(waiter, tenant=tenant.name, band=band(ticket.cls), cost=ticket.cost,
                                 weight=tenant.weight)
         self.queue_len += 1
@@ -202,10 +315,14 @@ class Admission:
             self.pump()
 
     def pump(self) -> None:
-        """Hand every free slot to the next waiter, in fair order, that its replica serves."""
+        """Hand every free slot to the next waiter, in fair order, that its replica serves. Also run
+        after every scrape: a promise that lapsed with nothing happening is let go here."""
+        self._update_protecting()
         if not self.queue_len:
             return
         now = self.pool.clock()
+        slots = self._slots()
+        at = self.clock()
         for r in list(self.pool.replicas.values()):
             if not r.available(now):
                 continue
@@ -213,7 +330,22 @@ class Admission:
                 return r.serves(w.model)
 
             while self.queue_len and self.has_slot(r):
-                entry = self.queue.pop(accept=serves)
+                entry: Entry[_Waiter] | None
+                if slots is None:
+                    entry = self.queue.pop(accept=serves)
+                else:
+                    # Waiters of tenants within their share first (only the excess waits), then
+                    # the rest in fair order, where the free slots are not held back for others.
+                    waiting = self.queue.depths()
+                    free = self._free_slots()
+
+                    def within(w: _Waiter, serves: Callable[[_Waiter], bool] = serves) -> bool:
+                        return serves(w) and self.shares.within_share(w.tenant, slots, self.weights, waiting, at)
+
+                    def room(w: _Waiter, serves: Callable[[_Waiter], bool] = serves) -> bool:
+                        return serves(w) and self._room(w.tenant, slots, waiting, at, free)
+
+                    entry = self.queue.pop(accept=within) or self.queue.pop(accept=room)
                 if entry is None:
                     break
                 self.queue_len -= 1

@@ -47,6 +47,10 @@ class Replica:
     # Seats the replica has shown it holds: its running count at a scrape that also showed
     # requests waiting (vLLM queues only when its batch is full). None until it has queued once.
     capacity: float | None = None
+    # Scrapes that showed a queue beside exactly ``capacity`` running: 2 confirm it (one may be a
+    # step in which a request finished, which vLLM counts out of running before the next takes
+    # its seat).
+    capacity_seen: int = 0
     # Active health: unknown (None) until the first check answers.
     healthy: bool | None = None
     draining: bool = False
@@ -409,7 +413,10 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
         # it runs raises it (admission's probe seat is how it gets the chance). The largest
         # seen: a batch of long prompts holds fewer, and kvgate would rather let the replica
         # queue one request than leave seats empty after a run of long prompts.
-        replica.capacity = max(replica.capacity or 0.0, replica.running)
+        if replica.capacity is None or replica.running > replica.capacity:
+            replica.capacity, replica.capacity_seen = replica.running, 0
+        if replica.running == replica.capacity and replica.waiting:
+            replica.capacity_seen += 1
 
 
 def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:

@@ -41,6 +41,8 @@ class Attempt:
     pool: ReplicaPool | None = field(default=None, repr=False)
     # What choosing the replica cost (the policy's ``prefer``), for the routing-cost figures.
     prefer_s: float = 0.0
+    # The request's admission ticket, whose slot this attempt holds (None: admission is off).
+    ticket: Ticket | None = None
 
     @property
     def replica(self) -> Replica:
@@ -50,6 +52,8 @@ class Attempt:
         try:
             await self.response.aclose()
         finally:
+            if self.ticket is not None:
+                self.ticket.done()  # before the lease ends: the slot's hand-on sees who let it go
             self.lease.release()
             if self.pool is not None:
                 for _ in range(self.budget_held):
@@ -92,6 +96,20 @@ async def open_upstream(
         # in the fair queue for one. From here to the first lease nothing awaits, so the slot
         # seen free is the slot taken.
         candidates = ticket.free(candidates) or await ticket.wait(route.model)
+        ticket.hold()
+    try:
+        return await _attempts(pool, policy, route, call, candidates, replica_keys, ticket)
+    except BaseException:
+        if ticket is not None:
+            ticket.done()
+        raise
+
+
+async def _attempts(
+    pool: ReplicaPool, policy: RoutingPolicy, route: RouteRequest, call: UpstreamCall,
+    candidates: list[Replica], replica_keys: dict[str, str] | None, ticket: Ticket | None,
+) -> Attempt:
+    """The replicas in the policy's order until one answers (at most ``max_attempts``)."""
     started = time.perf_counter()
     order = policy.prefer(route, candidates)
     prefer_s = time.perf_counter() - started
@@ -143,7 +161,7 @@ async def open_upstream(
             if response.status_code >= 500:
                 pool.record_failure(replica, f"http_{response.status_code}")
             attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool,
-                              prefer_s=prefer_s)
+                              prefer_s=prefer_s, ticket=ticket)
             budget_held = 0
             return attempt
     finally:
