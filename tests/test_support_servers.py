@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
@@ -21,17 +22,10 @@ def _app() -> Starlette:
     return Starlette(routes=[Route("/", lambda request: PlainTextResponse("up"))])
 
 
-def test_a_killed_server_leaves_no_pending_task() -> None:
+@pytest.mark.parametrize("end", ["kill", "stop"])
+def test_an_ended_server_leaves_no_pending_task(end: str) -> None:
     server = ServerThread(_app()).start()
     assert httpx.get(server.url).text == "up"
-    server.kill()
-    assert server.loop is not None and server.loop.is_closed()
-    assert [t for t in asyncio.all_tasks(server.loop) if not t.done()] == []
-
-
-def test_a_stopped_server_leaves_no_pending_task() -> None:
-    server = ServerThread(_app()).start()
-    assert httpx.get(server.url).text == "up"
-    server.stop()
+    getattr(server, end)()
     assert server.loop is not None and server.loop.is_closed()
     assert [t for t in asyncio.all_tasks(server.loop) if not t.done()] == []
