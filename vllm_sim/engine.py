@@ -119,7 +119,6 @@ class Generation:
         self._open = request.n
         self._events: list[TokenEvent] = []
         self._wake = asyncio.Event()
-        self._reported = (0, 0)
 
     @property
     def prompt_tokens(self) -> int:
@@ -164,6 +163,7 @@ class Engine:
         self._held: dict[Generation, tuple[asyncio.TimerHandle, list[_Seq]]] = {}
         self._running: list[_Seq] = []
         self._wake = asyncio.Event()
+        self._reported = (0, 0)  # (running, waiting) at the last step's end: ``reported``
         self._task: asyncio.Task[None] | None = None
         self._deadline = 0.0
         # Called after each step with what the pool cached and evicted in it (KV events),
