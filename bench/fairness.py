@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood", type=int, default=10, help="the flood, in multiples of the other's share")
     p.add_argument("--duration", type=float, default=15.0, help="seconds measured per phase")
     p.add_argument("--warmup", type=float, default=5.0,
-                   help="seconds before each phase is measured: kvgate learns the replicas' seats from the first queue they show")
+                   help="seconds before each phase is measured: kvgate learns the replicas' seats from the "
+                        "first queue they show")
     args = p.parse_args(argv)
     print(f"# {args.replicas} replicas x {args.slots} slots, {args.decode_ms:g} ms a decoded token, "
           f"{args.max_tokens} tokens an answer; quiet {args.quiet} clients pausing {args.think_ms:g} ms on "

@@ -84,6 +84,10 @@ class Shares:
             del self._use[name]
 
     # -- what follows -----------------------------------------------------------------------
+    def _active(self, waiting: dict[str, int], now: float) -> set[str]:
+        """Tenants with demand or with requests waiting."""
+        return {t for t, u in self._use.items() if u.demand(now) > 0} | {t for t, n in waiting.items() if n}
+
     def held(self, tenant: str) -> int:
         use = self._use.get(tenant)
         return use.held if use is not None else 0
@@ -91,7 +95,7 @@ class Shares:
     def share(self, tenant: str, slots: float, weights: dict[str, float], waiting: dict[str, int],
               now: float) -> float:
         """``tenant``'s share of ``slots`` among the active tenants (``tenant`` counted active)."""
-        active = {t for t, u in self._use.items() if u.demand(now) > 0} | {t for t, n in waiting.items() if n}
+        active = self._active(waiting, now)
         active.add(tenant)
         total = sum(weights.get(t, 1.0) for t in active)
         return slots * weights.get(tenant, 1.0) / total
@@ -110,7 +114,7 @@ class Shares:
                   waiting: dict[str, int], now: float) -> tuple[float, float | None]:
         """Slots held back for active tenants below their share with nothing waiting (other than
         ``for_others_than``), and when the soonest of those holds lapses (None: none does)."""
-        active = {t for t, u in self._use.items() if u.demand(now) > 0} | {t for t, n in waiting.items() if n}
+        active = self._active(waiting, now)
         if for_others_than is not None:
             active.add(for_others_than)
         total = sum(weights.get(t, 1.0) for t in active) or 1.0

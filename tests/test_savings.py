@@ -318,22 +318,22 @@ def test_the_trend_is_the_share_saved_in_each_interval() -> None:
     clock, wall = Clock(), Clock(1_800_000_000.0)
     metrics = Metrics()
     trends = Trends(metrics, interval_s=10, samples=4, clock=clock, wall=wall)
+
+    def next_interval() -> None:
+        clock.t += 10
+        wall.t += 10
+        trends.tick()
+
     trends.tick()
     metrics.prefill_tokens.labels("actual", "r1", "acme").inc(300)
     metrics.prefill_tokens.labels("round_robin", "r2", "acme").inc(1000)
-    clock.t += 10
-    wall.t += 10
-    trends.tick()
+    next_interval()
     assert trends.samples[-1].prefill_saved_share == pytest.approx(0.7)
     # The next interval counts only its own: round robin would have computed what we did.
     metrics.prefill_tokens.labels("actual", "r1", "acme").inc(500)
     metrics.prefill_tokens.labels("round_robin", "r1", "acme").inc(500)
-    clock.t += 10
-    wall.t += 10
-    trends.tick()
+    next_interval()
     assert trends.samples[-1].prefill_saved_share == pytest.approx(0.0)
-    clock.t += 10
-    wall.t += 10
-    trends.tick()  # nothing served: a gap
+    next_interval()  # nothing served: a gap
     assert trends.samples[-1].prefill_saved_share is None
     assert trends.to_dict()["samples"][0]["prefill_saved_share"] == pytest.approx(0.7)

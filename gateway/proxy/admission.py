@@ -163,7 +163,7 @@ class Admission:
         self.weights[tenant.name] = tenant.weight
         return Ticket(self, tenant, cls, cost)
 
-    def limit(self, r: Replica, *, probe: bool = True) -> float | None:
+    def limit(self, r: Replica) -> float | None:
         """This instance's slots on ``r``; None: no limit known."""
         if r.max_in_flight is not None:
             capacity: float = r.max_in_flight
@@ -173,7 +173,7 @@ class Admission:
             # the probe's request would wait inside the replica and take the seat that
             # tenant's next request was promised.
             confirmed = r.capacity_seen >= 2
-            capacity = r.capacity + (1 if probe and not (self._protecting and confirmed) else 0)
+            capacity = r.capacity + (0 if self._protecting and confirmed else 1)
         else:
             return None
         others = (r.running or 0.0) + (r.waiting or 0.0) - r.in_flight_at_scrape
@@ -184,28 +184,24 @@ class Admission:
         return limit is None or r.in_flight + self.reserved.get(r, 0) < limit
 
     # -- shares of a full fleet (policies.fair_share) ---------------------------------------
-    def _slots(self, *, probe: bool = True) -> float | None:
+    def _limits(self) -> list[tuple[Replica, float | None]]:
+        """The replicas that can take requests, with their limits."""
+        now = self.pool.clock()
+        return [(r, self.limit(r)) for r in self.pool.replicas.values() if r.available(now)]
+
+    def _slots(self) -> float | None:
         """The instance's slots over the replicas that can take requests; None if any has no limit
         (not full by any evidence: nothing needs holding back)."""
-        now = self.pool.clock()
         total = 0.0
-        for r in self.pool.replicas.values():
-            if r.available(now):
-                limit = self.limit(r, probe=probe)
-                if limit is None:
-                    return None
-                total += limit
+        for _, limit in self._limits():
+            if limit is None:
+                return None
+            total += limit
         return total
 
     def _free_slots(self) -> float:
-        now = self.pool.clock()
-        free = 0.0
-        for r in self.pool.replicas.values():
-            if r.available(now):
-                limit = self.limit(r)
-                if limit is not None:
-                    free += max(0.0, limit - r.in_flight - self.reserved.get(r, 0))
-        return free
+        return sum(max(0.0, limit - r.in_flight - self.reserved.get(r, 0))
+                   for r, limit in self._limits() if limit is not None)
 
     def may_take(self, tenant: str) -> bool:
         """Whether a request of ``tenant`` may take a free slot now rather than queue."""
@@ -239,8 +235,7 @@ class Admission:
         self._update_protecting()
 
     def _update_protecting(self) -> None:
-        slots = self._slots(probe=False)
-        self._protecting = slots is not None and self.shares.promised(self.queue.depths(), self.clock())
+        self._protecting = self._slots() is not None and self.shares.promised(self.queue.depths(), self.clock())
 
     def _wake_at(self, when: float) -> None:
         """Pump again when a hold lapses (nothing else may free a slot for the queue then)."""
@@ -326,26 +321,8 @@ class Admission:
         for r in list(self.pool.replicas.values()):
             if not r.available(now):
                 continue
-            def serves(w: _Waiter, r: Replica = r) -> bool:
-                return r.serves(w.model)
-
             while self.queue_len and self.has_slot(r):
-                entry: Entry[_Waiter] | None
-                if slots is None:
-                    entry = self.queue.pop(accept=serves)
-                else:
-                    # Waiters of tenants within their share first (only the excess waits), then
-                    # the rest in fair order, where the free slots are not held back for others.
-                    waiting = self.queue.depths()
-                    free = self._free_slots()
-
-                    def within(w: _Waiter, serves: Callable[[_Waiter], bool] = serves) -> bool:
-                        return serves(w) and self.shares.within_share(w.tenant, slots, self.weights, waiting, at)
-
-                    def room(w: _Waiter, serves: Callable[[_Waiter], bool] = serves) -> bool:
-                        return serves(w) and self._room(w.tenant, slots, waiting, at, free)
-
-                    entry = self.queue.pop(accept=within) or self.queue.pop(accept=room)
+                entry = self._next_waiter(r, slots, at)
                 if entry is None:
                     break
                 self.queue_len -= 1
@@ -355,6 +332,25 @@ class Admission:
                     continue
                 self.reserved[r] = self.reserved.get(r, 0) + 1
                 entry.item.future.set_result(r)
+
+    def _next_waiter(self, r: Replica, slots: float | None, at: float) -> Entry[_Waiter] | None:
+        """The waiter a free slot on ``r`` goes to, taken out of the queue: with every limit known,
+        waiters of tenants within their share first (only the excess waits), then the rest in fair
+        order where the free slots are not held back for others; else simply in fair order."""
+        def serves(w: _Waiter) -> bool:
+            return r.serves(w.model)
+
+        if slots is None:
+            return self.queue.pop(accept=serves)
+        waiting, free = self.queue.depths(), self._free_slots()
+
+        def within(w: _Waiter) -> bool:
+            return serves(w) and self.shares.within_share(w.tenant, slots, self.weights, waiting, at)
+
+        def room(w: _Waiter) -> bool:
+            return serves(w) and self._room(w.tenant, slots, waiting, at, free)
+
+        return self.queue.pop(accept=within) or self.queue.pop(accept=room)
 
     def close(self) -> None:
         """Shutdown: every waiter answers 503 now, and nothing queues from here on."""
