@@ -180,8 +180,8 @@ async def _until_waiting(http: httpx.AsyncClient, count: int) -> None:
 async def test_a_later_higher_priority_request_is_served_first_on_a_saturated_replica(
         policy: Policy, first: str) -> None:
     with _sim(policy, timing=TimingModel(max_num_seqs=1, **_SLOW)) as url:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        async with httpx.AsyncClient(base_url=url) as http:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client, \
+                httpx.AsyncClient(base_url=url) as http:
             blocker = await client.chat.completions.create(
                 model="sim-model", messages=[{"role": "user", "content": "hold"}],
                 max_tokens=_BLOCKER_TOKENS, stream=True)
@@ -200,7 +200,6 @@ async def test_a_later_higher_priority_request_is_served_first_on_a_saturated_re
             admitted = list((await http.get("/sim/stats")).json()["cached_tokens"])
             second = "high" if first == "low" else "low"
             assert admitted[1:] == [done[first], done[second]]
-        await client.close()
 
 
 @pytest.mark.parametrize("policy, victim", [("priority", "low"), ("fcfs", "high")])
@@ -208,13 +207,14 @@ async def test_preemption_over_http_and_its_metrics(policy: Policy, victim: str)
     # A blocker with a 40-token prompt holds all three blocks; the two 15-token prompts queue
     # behind it, then are admitted together when it goes, as in the in-process test above.
     with _sim(policy, num_gpu_blocks=3, block_size=16, timing=TimingModel(max_num_seqs=4, **_SLOW)) as url:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        async with httpx.AsyncClient(base_url=url) as http:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client, \
+                httpx.AsyncClient(base_url=url) as http:
             blocker = await client.completions.create(model="sim-model", prompt=list(range(1, 41)),
                                                       max_tokens=_BLOCKER_TOKENS, stream=True)
             await blocker.__anext__()
             low = asyncio.create_task(client.completions.create(
                 model="sim-model", prompt=list(range(100, 115)), max_tokens=20, extra_body={"priority": 5}))
+            await _until_waiting(http, 1)  # low arrives first: under fcfs, arrival order picks the victim
             high = asyncio.create_task(client.completions.create(
                 model="sim-model", prompt=list(range(200, 215)), max_tokens=20))
             await _until_waiting(http, 2)
@@ -231,39 +231,37 @@ async def test_preemption_over_http_and_its_metrics(policy: Policy, victim: str)
             # preempted once, the other never.
             assert 'vllm:request_num_preemptions_bucket{engine="0",model_name="sim-model",le="1.0"} 2.0' in text
             assert 'vllm:request_num_preemptions_sum{engine="0",model_name="sim-model"} 1.0' in text
-        await client.close()
 
 
 async def test_priority_is_accepted_under_fcfs_and_a_bad_one_refused_in_vllms_shape() -> None:
     # vLLM 0.33 refuses no priority under fcfs (it ignores it); only pydantic's type checks bite.
     with _sim("fcfs", timing=TimingModel(time_scale=0)) as url:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        messages = [{"role": "user", "content": "hi"}]
-        chat = await client.chat.completions.create(model="sim-model", messages=messages,  # type: ignore[arg-type]
-                                                    max_tokens=2, extra_body={"priority": 7})
-        assert chat.choices[0].finish_reason == "length"
-        await client.completions.create(model="sim-model", prompt="hi", max_tokens=2, extra_body={"priority": -7})
-        await client.responses.create(model="sim-model", input="hi", max_output_tokens=2,
-                                      extra_body={"priority": 3})
-        async with httpx.AsyncClient(base_url=url) as http:
-            # Messages has no priority field in vLLM: a priority there changes nothing.
-            reply = await http.post("/v1/messages", json={"model": "sim-model", "max_tokens": 2, "priority": 4,
-                                                          "messages": messages})
-            assert reply.status_code == 200
-            for route, body in (("/v1/chat/completions", {"messages": messages}),
-                                ("/v1/completions", {"prompt": "hi"}), ("/v1/responses", {"input": "hi"})):
-                bad = await http.post(route, json={"model": "sim-model", "priority": "urgent", **body})
-                assert bad.status_code == 400, route
-                error = bad.json()["error"]
-                assert error["type"] == "Bad Request" and error["param"] == "body.priority"
-                assert error["code"] == 400 and error["message"].startswith("1 validation error:\n  {'type': "
-                                                                            "'int_parsing', 'loc': ('body', "
-                                                                            "'priority')")
-        with pytest.raises(openai.BadRequestError) as caught:
-            await client.chat.completions.create(model="sim-model", messages=messages,  # type: ignore[arg-type]
-                                                 max_tokens=2, extra_body={"priority": 2**63})
-        assert "less than or equal to 9223372036854775807" in str(caught.value)
-        await client.close()
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+            messages = [{"role": "user", "content": "hi"}]
+            chat = await client.chat.completions.create(model="sim-model", messages=messages,  # type: ignore[arg-type]
+                                                        max_tokens=2, extra_body={"priority": 7})
+            assert chat.choices[0].finish_reason == "length"
+            await client.completions.create(model="sim-model", prompt="hi", max_tokens=2, extra_body={"priority": -7})
+            await client.responses.create(model="sim-model", input="hi", max_output_tokens=2,
+                                          extra_body={"priority": 3})
+            async with httpx.AsyncClient(base_url=url) as http:
+                # Messages has no priority field in vLLM: a priority there changes nothing.
+                reply = await http.post("/v1/messages", json={"model": "sim-model", "max_tokens": 2, "priority": 4,
+                                                              "messages": messages})
+                assert reply.status_code == 200
+                for route, body in (("/v1/chat/completions", {"messages": messages}),
+                                    ("/v1/completions", {"prompt": "hi"}), ("/v1/responses", {"input": "hi"})):
+                    bad = await http.post(route, json={"model": "sim-model", "priority": "urgent", **body})
+                    assert bad.status_code == 400, route
+                    error = bad.json()["error"]
+                    assert error["type"] == "Bad Request" and error["param"] == "body.priority"
+                    assert error["code"] == 400 and error["message"].startswith("1 validation error:\n  {'type': "
+                                                                                "'int_parsing', 'loc': ('body', "
+                                                                                "'priority')")
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model="sim-model", messages=messages,  # type: ignore[arg-type]
+                                                     max_tokens=2, extra_body={"priority": 2**63})
+            assert "less than or equal to 9223372036854775807" in str(caught.value)
 
 
 # -- parity with vLLM 0.33's own code -----------------------------------------------------------
