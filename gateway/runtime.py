@@ -30,6 +30,7 @@ from . import redis_client
 from gateway.observe.metrics import Metrics
 from .routing_sync import RoutingSync
 from gateway.proxy.admission import Admission
+from gateway.proxy.disagg import Disagg
 from gateway.proxy.pool import PoolEvents, Replica, ReplicaPool
 from gateway.apis.responses.ids import ResponseIds, derive_id_key
 from .settings import Settings
@@ -126,6 +127,8 @@ class Runtime:
         entries = settings.admin.savings_shadow_entries
         self.savings: Savings | None = Savings(settings.routing, self.metrics, entries) if entries else None
         self.routing_counts = {"first_choice": 0, "retried": 0}
+        # P/D (gateway.proxy.disagg): idle unless a replica has role prefill or decode.
+        self.disagg = Disagg(self)
         self.background: set[asyncio.Task[Any]] = set()
         self.routing_sync: RoutingSync | None = None
         self.started = False

@@ -78,6 +78,12 @@ class ReplicaSettings(_Section):
     # Requests in flight and waiting at the replica, fleet-wide, past which kvgate queues them
     # itself (gateway.proxy.admission). Unset: learned from what the replica reports on /metrics.
     max_in_flight: int | None = Field(None, ge=1)
+    # Its part in a disaggregated (P/D) fleet, vLLM started with --kv-transfer-config
+    # '{"kv_connector":"NixlConnector","kv_role":"kv_both"}': "prefill" replicas only prefill
+    # for others (max_tokens 1, the KV blocks handed on), "decode" replicas pull those blocks
+    # and stream, "both" serve whole requests. With no prefill or decode replica, nothing of
+    # P/D runs (gateway.proxy.disagg).
+    role: Literal["prefill", "decode", "both"] = "both"
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod

@@ -2,7 +2,9 @@
 
 ``evaluate`` applies, in order:
   1. the model allow-list (a refusal ends evaluation: nothing else matters);
-  2. ``strip_client_fields``: fields no client may set never reach upstream;
+  2. ``kv_transfer_params`` refused (400): only the gateway moves KV blocks between
+     replicas (gateway.proxy.disagg); ``strip_client_fields``: other fields no client may
+     set never reach upstream;
   3. ``normalize_tools`` when the tenant opted in, on chat and messages (before
      hygiene, so hygiene judges what upstream will actually render);
   4. the tenant's ``cache_salt`` (chat, text completions, responses, Anthropic
@@ -23,7 +25,7 @@ from typing import Any, Literal
 
 from routing.messages_view import chat_view
 
-from .errors import ModelNotAllowed, PolicyError
+from .errors import ModelNotAllowed, PolicyError, TransferParamsRefused
 from .hygiene import Findings, PrefixWarning, analyze, warning_kinds
 from .memo import DigestMemo
 from .normalize import normalize_tools
@@ -105,6 +107,8 @@ def evaluate(tenant: Tenant, body: Mapping[str, Any], *, endpoint: Endpoint = "c
     model = body.get("model")
     if isinstance(model, str) and not allows_model(tenant, model):
         return PolicyDecision(tenant, body, rejection=Rejection.from_error(ModelNotAllowed(model)))
+    if "kv_transfer_params" in body:
+        return PolicyDecision(tenant, body, rejection=Rejection.from_error(TransferParamsRefused()))
     out, stripped = strip_client_fields(body)
     if tenant.normalize_tools and endpoint in _TOOLS_NORMALISED:
         out = normalize_tools(out, sort_tools=tenant.sort_tools)

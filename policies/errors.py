@@ -9,6 +9,7 @@
     ├── ModelNotAllowed           404   "model_not_found": indistinguishable from a missing model
     ├── InvalidPriority           400   "invalid_priority": x-kvgate-priority names no class, or
     │                                   one above the tenant's
+    ├── TransferParamsRefused     400   "kv_transfer_params_refused": only the gateway moves KV blocks
     └── RateLimited               429   "rate_limit_exceeded" + retry_after_s
 
     AdminError                          raised by the runtime tenant API only
@@ -94,6 +95,17 @@ class InvalidPriority(PolicyError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, param="x-kvgate-priority")
+
+
+class TransferParamsRefused(PolicyError):
+    """A client sent ``kv_transfer_params``: it could name KV blocks computed for another tenant
+    (vLLM's NixlConnector pulls whatever the params name), so it is refused, not stripped."""
+
+    code = "kv_transfer_params_refused"
+
+    def __init__(self) -> None:
+        super().__init__("kv_transfer_params is set by the gateway only (disaggregated prefill); remove it",
+                         param="kv_transfer_params")
 
 
 class RateLimited(PolicyError):

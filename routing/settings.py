@@ -93,6 +93,10 @@ class RoutingSettings(_Section):
     # Re-resolve replicas from a headless-service DNS name, e.g. "vllm.ns.svc.cluster.local:8000".
     dns_name: str | None = None
     dns_interval_s: float = Field(10.0, gt=0)
+    # P/D fleets (replicas with role prefill or decode; gateway.proxy.disagg): "selective"
+    # prefills remotely only when it pays (routing.disagg.decide, from measured rates);
+    # "always" sends every request through a prefill replica, as vLLM's own P/D router does.
+    disaggregation: Literal["selective", "always"] = "selective"
     # Precise mode's event streams (routing.kv_events; read by prefix_affinity).
     kv_events: KVEventSettings = Field(default_factory=KVEventSettings)
 

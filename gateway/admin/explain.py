@@ -6,7 +6,8 @@ would take (``endpoint``) and, where tenants are configured, whose it is
 blocks, as on the hot path). The answer is every eligible replica's terms from
 the policy's ``explain`` (``prefix_affinity``: its cost in prompt tokens and
 the bound; ``ttft``: the predicted time to first token, its terms and the
-rail), the pick first; nothing is learned and nothing is sent to a replica,
+rail), the pick first; on a P/D fleet also ``disaggregation``: remote prefill or
+local, with the decision's terms (``routing.disagg``); nothing is learned and nothing is sent to a replica,
 so an operator can ask as often as they like.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+import orjson
 from pydantic import Field
 
 from policies import apply_salt
@@ -57,5 +59,9 @@ async def explain(rt: "Runtime", spec: ExplainIn) -> dict[str, Any]:
     if rt.tokenization.enabled:
         route.token_ids = await rt.tokenization.token_ids(model, spec.endpoint, body)
     rows = [r._asdict() if hasattr(r, "_asdict") else dict(r) for r in explainer(route, replicas)]
-    return {"policy": policy.name, "model": model, "tenant": tenant.name, "token_ids": route.token_ids is not None,
-            "replicas": [{**row, "pick": i == 0} for i, row in enumerate(rows)]}
+    out = {"policy": policy.name, "model": model, "tenant": tenant.name, "token_ids": route.token_ids is not None,
+           "replicas": [{**row, "pick": i == 0} for i, row in enumerate(rows)]}
+    if rt.pool.disaggregated:
+        # A P/D fleet: remote prefill or local, and the terms that decided it (routing.disagg).
+        out["disaggregation"] = rt.disagg.explain(route, len(orjson.dumps(body)))
+    return out

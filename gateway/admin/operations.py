@@ -111,11 +111,12 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
     for name, spec in wanted.items():
         if name not in rt.pool.replicas:
             rt.pool.add(name, spec.url, weight=spec.weight, models=spec.models,
-                        scheduling_policy=spec.scheduling_policy, max_in_flight=spec.max_in_flight)
+                        scheduling_policy=spec.scheduling_policy, max_in_flight=spec.max_in_flight, role=spec.role)
         elif rt.pool.replicas[name].source == "config":
             # What a replica takes and how many may be sent it change without a restart.
             replica = rt.pool.replicas[name]
             replica.scheduling_policy, replica.max_in_flight = spec.scheduling_policy, spec.max_in_flight
+            replica.role = spec.role
     rt.settings = rt.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
                                                  "timeouts": new.timeouts})
     rt.policy = rt.make_policy(new.routing)
@@ -140,7 +141,7 @@ def status(rt: Runtime) -> dict[str, Any]:
     return {"replicas": replicas, "tenants": tenants, "totals": rt.tenant_stats.totals(),
             "endpoints": rt.endpoint_stats.rows(),
             "hygiene": report, "cache": cache_stats(rt), "routing": routing_stats(rt),
-            "queue": rt.admission.stats(),
+            "queue": rt.admission.stats(), "disaggregation": rt.disagg.stats(),
             "ready": readiness(rt)[1], "workers": workers(rt)}
 
 

@@ -242,6 +242,21 @@ class Metrics:
                                              "decode seconds the semantic cache's hits saved: their completion "
                                              "tokens at the decode time per token measured on relayed streams",
                                              ["tenant"], registry=r)
+        # P/D fleets (gateway.proxy.disagg): each leg by role, the decisions and their reasons,
+        # the prefill side's prompt and cached tokens (its hit ratio), the tokens decode replicas
+        # pulled, and each failed leg's fallback.
+        self.pd_legs = Counter("kvgate_pd_legs", "P/D legs sent, by role (prefill, decode), replica and "
+                               "outcome (ok, failed)", ["role", "replica", "outcome"], registry=r)
+        self.pd_decisions = Counter("kvgate_pd_decisions", "P/D requests by decision (remote prefill or local) "
+                                    "and its reason", ["decision", "reason"], registry=r)
+        self.pd_prefill_tokens = Counter("kvgate_pd_prefill_tokens", "prompt tokens of prefill legs by kind "
+                                         "(prompt, cached): the prefill side's hit ratio", ["kind", "replica"],
+                                         registry=r)
+        self.pd_transfer_tokens = Counter("kvgate_pd_transfer_tokens", "prompt tokens decode replicas pulled "
+                                          "from prefill replicas (routing's estimate)", ["replica"], registry=r)
+        self.pd_fallbacks = Counter("kvgate_pd_fallbacks", "failed P/D legs by leg (prefill, decode) and what "
+                                    "followed (retry on another replica, local prefill)", ["leg", "fallback"],
+                                    registry=r)
         self.multiprocess_dir = multiprocess_dir
         scraped = (_CacheCollector(cache), _PolicyCollector(policy), _KVEventsCollector(kv_events),
                    _QueueCollector(admission))

@@ -37,3 +37,8 @@ class RequestContext:
     priority_class: str = "standard"
     # Its claim on a replica slot (gateway.proxy.admission); None while admission is off.
     ticket: Any = None
+    # The body the replica receives, as built once (``upstream_body``): a P/D prefill leg
+    # is made from it (gateway.proxy.disagg).
+    upstream: Any = None
+    # Its P/D path (gateway.proxy.disagg.LegRecord); None unless the fleet has P/D roles.
+    disagg: Any = None

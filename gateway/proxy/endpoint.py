@@ -24,6 +24,7 @@ import orjson
 from routing import RouteFeedback, RouteRequest
 
 from .context import RequestContext
+from .disagg import CHAT_LEG, COMPLETIONS_LEG, LegShape
 from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_body, request_id, \
     run_unless_disconnected
 from . import stages
@@ -53,6 +54,9 @@ class ProxyEndpoint:
     unary: ClassVar[frozenset[str]] = frozenset({"embeddings"})  # never streamed, whatever the body says
     # Whether serving leaves prompt blocks on the replica that routing should learn from.
     prefills = True
+    # Per endpoint, the prefill leg vLLM takes on a P/D fleet (gateway.proxy.disagg); an
+    # endpoint not listed is never disaggregated.
+    prefill_legs: ClassVar[Mapping[str, LegShape]] = {"chat": CHAT_LEG, "completions": COMPLETIONS_LEG}
 
     def __init__(self, endpoint: str, runtime: "Runtime") -> None:
         self.endpoint = endpoint
@@ -121,7 +125,7 @@ class ProxyEndpoint:
             exchange.headers.append((name, value))
         if await stages.serve_from_cache(rt, ctx, exchange):
             return "cache", None
-        body = self._upstream_body(ctx)
+        body = ctx.upstream = self._upstream_body(ctx)
         route = RouteRequest(ctx.endpoint, ctx.model, ctx.tenant.namespace, ctx.body,
                              boundary_hint=ctx.headers.get("x-kvgate-cache-boundary"))
         if rt.tokenization.enabled:
@@ -144,6 +148,8 @@ class ProxyEndpoint:
         try:
             replica = attempt.replica
             outcome = await self._forward(ctx, exchange, attempt)
+            if ctx.disagg is not None:
+                rt.disagg.finished(ctx, replica.name, outcome.ttft_s)
             if self.prefills:
                 started = time.perf_counter()
                 rt.policy.observe(route, RouteFeedback(
@@ -202,6 +208,11 @@ class ProxyEndpoint:
         return None
 
     async def _open(self, route: RouteRequest, call: UpstreamCall, ctx: RequestContext) -> Attempt:
+        rt = self.rt
+        if rt.pool.disaggregated:
+            leg = self.prefill_legs.get(self.endpoint)
+            if leg is not None:
+                return await rt.disagg.open(ctx, route, call, leg, ctx.upstream)
         return await open_upstream(self.rt.pool, self.rt.policy, route, call, self.rt.replica_keys, ctx.ticket)
 
     async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:

@@ -44,6 +44,8 @@ class Replica:
     source: str = "config"  # "config" | "dns" | "admin"
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: only "priority" takes `priority`
     max_in_flight: int | None = None  # configured admission limit (gateway.proxy.admission)
+    # Its part in a P/D fleet (ReplicaSettings.role): "prefill", "decode" or "both".
+    role: str = "both"
     # Seats the replica has shown it holds: its running count at a scrape that also showed
     # requests waiting (vLLM queues only when its batch is full). None until it has queued once.
     capacity: float | None = None
@@ -176,16 +178,17 @@ class ReplicaPool:
         self._tasks: list[asyncio.Task[None]] = []
         for r in replicas:
             self.add(r.name, r.url, weight=r.weight, models=r.models, scheduling_policy=r.scheduling_policy,
-                     max_in_flight=r.max_in_flight)
+                     max_in_flight=r.max_in_flight, role=r.role)
 
     # -- membership -------------------------------------------------------
     def add(self, name: str, url: str, *, weight: float = 1.0, models: Iterable[str] = (),
-            source: str = "config", scheduling_policy: str = "fcfs", max_in_flight: int | None = None) -> Replica:
+            source: str = "config", scheduling_policy: str = "fcfs", max_in_flight: int | None = None,
+            role: str = "both") -> Replica:
         if name in self.replicas:
             raise ValueError(f"replica {name!r} already exists")
         replica = Replica(name=name, url=url.rstrip("/"), weight=weight,
                           configured_models=tuple(models), source=source, scheduling_policy=scheduling_policy,
-                          max_in_flight=max_in_flight)
+                          max_in_flight=max_in_flight, role=role)
         self.replicas[name] = replica
         return replica
 
@@ -202,6 +205,14 @@ class ReplicaPool:
     def eligible(self, model: str) -> list[Replica]:
         now = self.clock()
         return [r for r in self.replicas.values() if r.serves(model) and r.available(now)]
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether any replica has a P/D role (prefill or decode): only then does P/D run."""
+        for r in self.replicas.values():
+            if r.role != "both":
+                return True
+        return False
 
     def known_model(self, model: str) -> bool:
         return any(r.serves(model) for r in self.replicas.values())
@@ -432,5 +443,6 @@ def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:
             "kv_usage": r.kv_usage, "prefix_hit_rate": hit, "served": r.served, "failures": r.failures,
             "weight": r.weight, "source": r.source, "prefill_rate": r.prefill_rate, "kv_tokens": r.kv_tokens,
             "scheduling_policy": r.scheduling_policy, "max_in_flight": r.max_in_flight, "capacity": r.capacity,
+            "role": r.role,
         })
     return rows

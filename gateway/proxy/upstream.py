@@ -85,8 +85,13 @@ class UpstreamCall:
 async def open_upstream(
     pool: ReplicaPool, policy: RoutingPolicy, route: RouteRequest, call: UpstreamCall,
     replica_keys: dict[str, str] | None = None, ticket: Ticket | None = None,
+    roles: frozenset[str] | None = None, exclude: set[str] | None = None,
 ) -> Attempt:
+    """``roles``: only replicas of these P/D roles (gateway.proxy.disagg; None: any), less ``exclude``
+    (the names a leg already failed on)."""
     candidates = pool.eligible(route.model)
+    if roles is not None:
+        candidates = [r for r in candidates if r.role in roles and not (exclude and r.name in exclude)]
     if not candidates:
         if not pool.known_model(route.model):
             raise NotFound(f"model '{route.model}' is not served here", param="model")

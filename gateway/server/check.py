@@ -13,6 +13,8 @@ or ``skip`` when the config does not ask for it:
 * **block size**: where the replica publishes KV events, its block size equals
   ``routing.block_size`` (precise routing keys token ids by it);
 * **kv events**: its PUB and replay endpoints accept a connection;
+* **role**: its part in a P/D fleet (``role``: prefill, decode or both), as
+  configured: vLLM's ``/metrics`` does not say which KV connector runs;
 * **scheduling**: the replica's ``scheduling_policy`` as configured (vLLM's
   ``/metrics`` does not say which policy runs); where that is ``priority``, a
   one-token completion sent with ``priority`` 1 must not be refused. vLLM's
@@ -93,6 +95,15 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+_ROLES = {
+    "both": "both (configured): serves whole requests",
+    "prefill": "prefill (configured): takes P/D prefill legs (max_tokens 1), its KV blocks pulled by a decode "
+               "replica; needs vLLM's --kv-transfer-config with NixlConnector",
+    "decode": "decode (configured): pulls the KV blocks of a prefill replica and streams; needs vLLM's "
+              "--kv-transfer-config with NixlConnector",
+}
+
+
 def check_replica(r: ReplicaSettings, settings: Settings, client: httpx.Client,
                   tokenizer: Callable[[str], Any]) -> list[Check]:
     out: list[Check] = []
@@ -148,6 +159,7 @@ def check_replica(r: ReplicaSettings, settings: Settings, client: httpx.Client,
         why = _connects(endpoint, 3.0)
         add(name, "ok" if why is None else "FAIL", endpoint if why is None else
             f"{endpoint}: {why} (vLLM's --kv-events-config endpoint/replay_endpoint, and the network path)")
+    add("role", "ok", _ROLES[r.role])
     add_scheduling(add, r, sorted(served), client, headers)
     for model in sorted(m for m in settings.routing.tokenizers if m in served):
         add_tokens(add, model, client, r.url, headers, tokenizer)

@@ -14,12 +14,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gateway.proxy.context import RequestContext
+from gateway.proxy.disagg import LegShape
 from gateway.proxy.endpoint import ProxyEndpoint
 from gateway.proxy.relay import Outcome, WholeObserver
 from gateway.proxy.sse import StreamObserver
 
 from .shape import ANTHROPIC_SHAPE
-from .sse import MessagesObserver, whole_message
+from .sse import MessagesObserver, anthropic_usage, whole_message
 from .validate import upstream_headers, validate_messages
 
 if TYPE_CHECKING:
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
 __all__ = ["MESSAGES_PATHS", "MessagesEndpoint", "observe_message"]
 
 MESSAGES_PATHS = {"messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
+# The P/D prefill leg (gateway.proxy.disagg): vLLM 0.33's AnthropicMessagesRequest has no
+# max_completion_tokens, and skips its thinking-budget check on a leg with do_remote_decode.
+MESSAGES_LEG = LegShape({"stream": False, "max_tokens": 1}, frozenset(),
+                        lambda obj: anthropic_usage(obj.get("usage")))
 
 
 def observe_message(obj: dict[str, Any], outcome: Outcome) -> None:
@@ -43,6 +48,7 @@ class MessagesEndpoint(ProxyEndpoint):
     shape = ANTHROPIC_SHAPE
     claims = "/v1/messages"  # even a route that does not exist under it answers in Anthropic's shape
     unary = frozenset({"count_tokens"})
+    prefill_legs = {"messages": MESSAGES_LEG}
 
     def __init__(self, endpoint: str, runtime: "Runtime") -> None:
         super().__init__(endpoint, runtime)

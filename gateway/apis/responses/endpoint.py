@@ -30,6 +30,7 @@ from routing.base import ReplicaView
 from gateway.proxy.context import RequestContext
 from gateway.proxy.asgi_io import Exchange
 from gateway.errors import GatewayError, NotFound, UpstreamError
+from gateway.proxy.disagg import LegShape
 from gateway.proxy.endpoint import ProxyEndpoint
 from gateway.proxy.relay import Outcome, read_whole, relay_stream
 from .ids import StoredAt
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
 
 __all__ = ["ResponsesEndpoint", "ReplicaUnavailable", "open_pinned", "response_not_found", "pinned_replica"]
 
+
+# The P/D prefill leg (gateway.proxy.disagg): one output token, and not stored (only the decode
+# replica's response is the client's; a stored leg would sit in the prefill replica's memory).
+# A request continuing a stored response is pinned to its replica and never disaggregated.
+RESPONSES_LEG = LegShape({"stream": False, "max_output_tokens": 1, "store": False}, frozenset(),
+                         lambda obj: responses_usage(obj.get("usage")))
 
 # A response's status as the finish_reason the gateway's accounting knows.
 _FINISH = {"completed": "stop", "incomplete": "length"}
@@ -111,6 +118,7 @@ class _State:
 
 class ResponsesEndpoint(ProxyEndpoint):
     paths = {"responses": "/v1/responses"}
+    prefill_legs = {"responses": RESPONSES_LEG}
 
     def _validate(self, body: dict[str, Any], headers: dict[str, str]) -> str:
         return validate_responses(body, max_tokens=self.rt.settings.limits.max_tokens_ceiling)
