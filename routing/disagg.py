@@ -115,13 +115,16 @@ def decide(t: Terms) -> Decision:
     saved = (1.0 + max(0.0, t.decoding)) / rate_d - per_token - 1.0 / rate_p
     threshold = leg / saved if saved > 0 else math.inf
     headroom = local_s + stall_s - prefill_s - transfer_s - leg
+    # One rule, ``wait < headroom`` (remote_s < local_s + stall_s); the reason says which of
+    # the two conditions failed. Below the threshold headroom is at most 0 unless the prefill
+    # replica holds more of the prompt than the decode replica (a warmer prefill side may pay).
     if uncached_d <= 0.0:
         reason = "nothing_uncached"
-    elif uncached_d <= threshold and prefill_s >= uncached_d / rate_p:
-        # Below the threshold a cold prefill side cannot pay; a warmer one still may (below).
-        reason = "below_threshold"
+    elif headroom <= 0.0:
+        # Past the threshold with no gain: the prefill replica would compute more than the decode one.
+        reason = "below_threshold" if uncached_d <= threshold else "prefill_colder"
     elif wait >= headroom:
-        reason = "prefill_queue" if wait > 0 else "below_threshold"
+        reason = "prefill_queue"
     else:
         reason = "remote"
     return Decision(reason == "remote", reason, local_s, stall_s, prefill_s, transfer_s, remote_s, saved,
