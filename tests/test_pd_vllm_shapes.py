@@ -108,8 +108,8 @@ for ref, body in data:
     req = getattr(importlib.import_module(module), name).model_validate(body)
     fn = getattr(req, "to_sampling_params", None)
     sp = fn(4096, {}) if fn else None
-    out.append({"kv": req.kv_transfer_params, "extra_kv": (sp.extra_args or {}).get("kv_transfer_params") if sp else None,
-                "stream": bool(req.stream)})
+    extra_kv = (sp.extra_args or {}).get("kv_transfer_params") if sp else None
+    out.append({"kv": req.kv_transfer_params, "extra_kv": extra_kv, "stream": bool(req.stream)})
 print(json.dumps(out))
 """
 
@@ -126,7 +126,7 @@ def test_pd_legs_match_vllm_protocol_models_and_nixl_connector(tmp_path: Path, v
     path.write_text(json.dumps({"prefill": legs, "responses": RESPONSE_MODELS}))
     got = _last_json(vllm_worker.run(_CHECK, str(path), timeout=280))
 
-    for (body, _, ref), row in zip(CASES, got["prefill"]):
+    for (_, _, ref), row in zip(CASES, got["prefill"]):
         assert "error" not in row, row
         assert row["extra"] == [], f"{ref}: fields vLLM does not declare: {row['extra']}"
         assert row["kv"] == dict(REMOTE_DECODE) and row["stream"] is False
@@ -150,7 +150,7 @@ def test_pd_legs_match_vllm_protocol_models_and_nixl_connector(tmp_path: Path, v
     decodes = [(ref, orjson.loads(with_params(orjson.dumps(body), params))) for body, _, ref in CASES]
     path.write_text(json.dumps(decodes))
     rows = _last_json(vllm_worker.run(_DECODE, str(path), timeout=280))
-    for (body, _, ref), row, (_, sent) in zip(CASES, rows, decodes):
+    for (body, _, _), row, (_, sent) in zip(CASES, rows, decodes):
         assert row["kv"] == params and row["kv"]["do_remote_prefill"] is True
         assert row["stream"] == bool(body.get("stream"))  # the client's request, as it asked
         assert sent["cache_salt"] == SALT  # the tenant's salt on the decode leg too
