@@ -59,6 +59,12 @@ def load_now(replica: ReplicaView) -> float:
     return (others + replica.in_flight) / replica.weight
 
 
+# What a policy keeps in a request's ``scratch`` about one placement (where it went, its marks in
+# the backlog and among the requests in flight, its prediction); the rest of ``scratch`` (the
+# prompt's analysis, its key, its block keys) is about the request, whichever replica serves it.
+PLACEMENT_KEYS = frozenset({"kvgate.sent", "kvgate.pending", "kvgate.backlog_mark", "kvgate.predicted"})
+
+
 @dataclass(slots=True)
 class RouteRequest:
     """What routing needs to know about one request; built once per request."""
@@ -76,6 +82,18 @@ class RouteRequest:
     token_ids: list[int] | None = None
     # Filled in lazily by prefix policies; cached here so hashing happens once.
     scratch: dict[str, Any] = field(default_factory=dict)
+
+    def leg(self) -> "RouteRequest":
+        """The same request for another leg of it (a P/D prefill leg): what was computed about the
+        request is shared, so it is hashed once; the placement marks are each leg's own."""
+        return RouteRequest(self.endpoint, self.model, self.namespace, self.body, self.boundary_hint,
+                            self.token_ids, {k: v for k, v in self.scratch.items() if k not in PLACEMENT_KEYS})
+
+    def adopt(self, other: "RouteRequest") -> None:
+        """Take what ``other``, a leg of this request, computed about it (not its placement)."""
+        for k, v in other.scratch.items():
+            if k not in PLACEMENT_KEYS:
+                self.scratch.setdefault(k, v)
 
 
 @dataclass(slots=True)

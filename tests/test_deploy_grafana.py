@@ -132,7 +132,8 @@ def test_dashboard_has_the_panels_an_operator_reaches_for() -> None:
     for wanted in ("fleet prefix-cache hit rate", "prefix-cache hit rate by replica", "prefix-cache hit rate by tenant",
                    "time to first token", "requests by status", "errors", "semantic cache: results",
                    "verifier rejections by reason", "prompt-hygiene warnings by kind", "routing decisions",
-                   "replica load", "kv-cache usage", "replicas routed on their kv events", "token-id checks"):
+                   "replica load", "kv-cache usage", "replicas routed on their kv events", "token-id checks",
+                   "p/d legs by role", "p/d decisions", "p/d prefill-side hit ratio"):
         assert wanted in titles, f"no panel {wanted!r}"
     ttft = next(t["expr"] for p in _panels() if p["title"] == "Time to first token" for t in p["targets"]
                 if "0.95" in t["expr"])
@@ -309,6 +310,9 @@ _EVENTS_ONLY = {
     "kvgate_client_disconnects_total",  # a client gone mid-answer
     "kvgate_ejections_total",  # five failures in a row
     "kvgate_semantic_cache_bypasses_total",  # e.g. a request that is not cacheable
+    # A P/D fleet's (replicas with role prefill or decode); tests/test_pd_gateway.py sees them counted.
+    "kvgate_pd_legs_total", "kvgate_pd_decisions_total", "kvgate_pd_prefill_tokens_total",
+    "kvgate_pd_transfer_tokens_total", "kvgate_pd_fallbacks_total",
 }
 
 

@@ -50,6 +50,7 @@ class ReplicaIn(_Body):
     models: list[str] = Field(default_factory=list, max_length=64)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_in_flight: int | None = Field(None, ge=1, le=1_000_000)
+    role: Literal["prefill", "decode", "both"] = "both"
 
     @field_validator("url")
     @classmethod
@@ -144,7 +145,8 @@ def _routes(rt: Runtime) -> list[Route]:
             err.status = 409
             raise err
         await operations.add_replica(rt, body.name, body.url, weight=body.weight, models=body.models,
-                                     scheduling_policy=body.scheduling_policy, max_in_flight=body.max_in_flight)
+                                     scheduling_policy=body.scheduling_policy, max_in_flight=body.max_in_flight,
+                                     role=body.role)
         return JSONResponse(_replica_row(rt, body.name), status_code=201)
 
     def _named(request: Request) -> str:

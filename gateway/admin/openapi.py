@@ -59,7 +59,9 @@ _SCHEMAS: dict[str, Any] = {
         "scheduling_policy": {"type": "string", "enum": ["fcfs", "priority"],
                               "description": "the replica's vLLM --scheduling-policy"},
         "max_in_flight": {"type": "integer", "minimum": 1, "nullable": True,
-                          "description": "admission limit; unset: learned from the replica's /metrics"}}},
+                          "description": "admission limit; unset: learned from the replica's /metrics"},
+        "role": {"type": "string", "enum": ["prefill", "decode", "both"],
+                 "description": "its part in a P/D fleet (vLLM's NixlConnector on both sides)"}}},
     "PurgeIn": {"type": "object", "additionalProperties": False, "properties": {
         "tenant": {"type": "string", "maxLength": 64, "nullable": True},
         "model": {"type": "string", "maxLength": 256, "nullable": True},
@@ -123,7 +125,8 @@ def openapi_document() -> dict[str, Any]:
                            "patch": _op("Change policy or epsilon", "200", schema=_OBJ, body="RoutingIn",
                                         errors=("400",))},
         "/admin/routing/explain": {"post": _op("Every replica's predicted time to first token for a request, "
-                                               "its terms and rails, the pick first (nothing learned)", "200",
+                                               "its terms and rails, the pick first; on a P/D fleet, remote prefill or local "
+                                               "and the decision's terms (nothing learned)", "200",
                                                schema=_OBJ, body="ExplainIn", errors=("400", "404"))},
         "/admin/cache": {"get": _op("Semantic-cache statistics", "200", schema=_OBJ)},
         "/admin/cache/purge": {"post": _op("Purge by tenant, model or age", "200", schema=_OBJ, body="PurgeIn",

@@ -32,9 +32,9 @@ def is_tenant_key(rt: Runtime, key: str) -> bool:
 
 async def add_replica(rt: Runtime, name: str, url: str, *, weight: float = 1.0,
                       models: list[str] | None = None, scheduling_policy: str = "fcfs",
-                      max_in_flight: int | None = None) -> None:
+                      max_in_flight: int | None = None, role: str = "both") -> None:
     replica = rt.pool.add(name, url, weight=weight, models=models or (), source="admin",
-                          scheduling_policy=scheduling_policy, max_in_flight=max_in_flight)
+                          scheduling_policy=scheduling_policy, max_in_flight=max_in_flight, role=role)
     await rt.pool.check(replica)
     rt.sync_kv_events()
 

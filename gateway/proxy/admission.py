@@ -74,6 +74,11 @@ class _Waiter:
     model: str
     tenant: str
     future: asyncio.Future[Replica]
+    # A P/D leg waits for a replica of its role (gateway.proxy.disagg); None: any.
+    roles: frozenset[str] | None = None
+
+    def takes(self, r: Replica) -> bool:
+        return r.serves(self.model) and (self.roles is None or r.role in self.roles)
 
 
 @dataclass(slots=True)
@@ -119,14 +124,16 @@ class Ticket:
             self.admission.release(self.tenant.name, self.admission.clock() - self.held_at)
             self.held_at = None
 
-    async def wait(self, model: str) -> list[Replica]:
-        """Queue until a slot frees on a replica serving ``model``; the replicas with a free slot
-        then (the caller routes among them before it next awaits). Raises 429 at the deadline,
-        503 at shutdown; cancellation (a disconnect) leaves the queue at once."""
+    async def wait(self, model: str, roles: frozenset[str] | None = None) -> list[Replica]:
+        """Queue until a slot frees on a replica serving ``model`` (of one of ``roles``, a P/D leg's);
+        the replicas with a free slot then (the caller routes among them before it next awaits).
+        Raises 429 at the deadline, 503 at shutdown; cancellation (a disconnect) leaves the queue at once."""
         adm = self.admission
         while True:
-            await adm.wait(self, model)
+            await adm.wait(self, model, roles)
             eligible = adm.pool.eligible(model)
+            if roles is not None:
+                eligible = [r for r in eligible if r.role in roles]
             if not eligible:  # its replicas went (ejected, drained, removed) while it waited
                 raise NoReplica(f"no healthy replica serves model '{model}'")
             free = [r for r in eligible if adm.has_slot(r)]
@@ -255,14 +262,14 @@ class Admission:
         self._wake = loop.call_later(delay + 0.001, wake)
 
     # -- waiting ----------------------------------------------------------------------------
-    async def wait(self, ticket: Ticket, model: str) -> None:
+    async def wait(self, ticket: Ticket, model: str, roles: frozenset[str] | None = None) -> None:
         if self.closed:
             raise _shutting_down()
         tenant = ticket.tenant
         loop = asyncio.get_running_loop()
         if ticket.deadline is None:  # one deadline however often the request is woken and requeued
             ticket.deadline = loop.time() + tenant.queue_timeout_s
-        waiter = _Waiter(model, tenant.name, loop.create_future())
+        waiter = _Waiter(model, tenant.name, loop.create_future(), roles)
         entry = self.queue.push(waiter, tenant=tenant.name, band=band(ticket.cls), cost=ticket.cost,
                                 weight=tenant.weight)
         self.queue_len += 1
@@ -338,7 +345,7 @@ class Admission:
         waiters of tenants within their share first (only the excess waits), then the rest in fair
         order where the free slots are not held back for others; else simply in fair order."""
         def serves(w: _Waiter) -> bool:
-            return r.serves(w.model)
+            return w.takes(r)
 
         if slots is None:
             return self.queue.pop(accept=serves)

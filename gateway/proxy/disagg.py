@@ -166,8 +166,7 @@ class Disagg:
         prefillers = [r for r in eligible if r.role in PREFILL_ROLES]
         prompt = float(len(route.token_ids)) if route.token_ids else payload_len / CHARS_PER_TOKEN
         decode, uncached_d = self._pick(route, decoders, prompt)
-        prefill, uncached_p = self._pick(RouteRequest(route.endpoint, route.model, route.namespace, route.body,
-                                                      route.boundary_hint, route.token_ids), prefillers, prompt)
+        prefill, uncached_p = self._pick(route.leg(), prefillers, prompt)
         rate_d = decode.prefill_rate if decode is not None else None
         rate_p = prefill.prefill_rate if prefill is not None else None
         queued = load_now(prefill) * uncached_p if prefill is not None else 0.0
@@ -234,17 +233,17 @@ class Disagg:
             if status < 500 or attempt_no == 1:
                 self._leg("decode", attempt.replica.name, status < 500)
                 return attempt
-            # Failed before its first byte: another decode replica, prefilled again (its blocks
-            # pinned at the prefill replica for this one are released by that replica's lease).
+            # Failed before its first byte: another decode replica, prefilled again (the blocks
+            # the prefill replica pinned for this one expire there, as vLLM's lease does).
             err = await read_error_body(attempt.response, attempt.replica)
             self._leg("decode", attempt.replica.name, False)
             self._fallback("decode", "retry")
             tried.add(attempt.replica.name)
             await attempt.close()
+            # The failed placement's marks go (backlog, requests in flight); the route is picked again.
+            rt.policy.observe(route, RouteFeedback(attempt.replica.name, None, None, False))
             log.warning("decode leg failed before its first byte; retrying elsewhere",
                         extra={"request_id": ctx.request_id, "replica": attempt.replica.name, "error": str(err)})
-            # The policy learned the failed pick; a fresh route for the next one.
-            route = _fresh(route)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _prefill(self, ctx: "RequestContext", route: RouteRequest, call: UpstreamCall, leg: LegShape,
@@ -257,7 +256,7 @@ class Disagg:
                              max_attempts=call.max_attempts, priority=call.priority)
         tried: set[str] = set()
         for attempt_no in range(2):
-            proute = _fresh(route)
+            proute = route.leg()
             started = time.perf_counter()
             try:
                 attempt = await open_upstream(rt.pool, rt.policy, proute, pcall, rt.replica_keys, ctx.ticket,
@@ -288,6 +287,7 @@ class Disagg:
                 await attempt.close()
                 rt.policy.observe(proute, RouteFeedback(replica.name, usage.prompt_tokens if usage else None,
                                                         usage.cached_tokens if usage else None, ok))
+                route.adopt(proute)  # the decode leg reuses its analysis: hashed once
             self._leg("prefill", replica.name, ok)
             if ok:
                 self._prefilled(replica.name, usage, time.perf_counter() - started)
@@ -374,12 +374,6 @@ def _pulled(terms: Terms, params: Mapping[str, Any]) -> float:
     if isinstance(computed, (int, float)) and not isinstance(computed, bool) and computed > 0:
         return min(terms.uncached_decode, float(computed))
     return terms.uncached_decode
-
-
-def _fresh(route: RouteRequest) -> RouteRequest:
-    """A route of its own for a leg: the policy keeps per-leg marks in ``scratch``."""
-    return RouteRequest(route.endpoint, route.model, route.namespace, route.body, route.boundary_hint,
-                        route.token_ids)
 
 
 def _replace_payload(call: UpstreamCall, payload: bytes) -> UpstreamCall:

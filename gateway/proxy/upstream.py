@@ -100,7 +100,7 @@ async def open_upstream(
         # Admission (gateway.proxy.admission): route among the replicas with a free slot, or wait
         # in the fair queue for one. From here to the first lease nothing awaits, so the slot
         # seen free is the slot taken.
-        candidates = ticket.free(candidates) or await ticket.wait(route.model)
+        candidates = ticket.free(candidates) or await ticket.wait(route.model, roles)
         ticket.hold()
     try:
         return await _attempts(pool, policy, route, call, candidates, replica_keys, ticket)

@@ -74,19 +74,21 @@ class Stack:
 
 def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[str, dict[str, Any]] | None = None,
                 admin_token: str | None = None, span_exporter: Any = None, embedding_loader: Any = None,
-                **overrides: Any) -> Stack:
+                roles: dict[str, str] | None = None, **overrides: Any) -> Stack:
     """Start ``n`` simulated replicas r1..rN and a kvgate routing to them, with kvgate's default
     routing policy (prefix_affinity) unless ``routing`` says otherwise.
 
     ``embedding_loader`` replaces the semantic cache's model loader (see ``Runtime``); by default
-    the run's one loaded MiniLM (``tests.support.minilm``)."""
+    the run's one loaded MiniLM (``tests.support.minilm``). ``roles``: the P/D role of named
+    replicas in kvgate's config (``ReplicaSettings.role``; the others are ``both``)."""
     sims: dict[str, ServerThread] = {}
     for i in range(n):
         name = f"r{i + 1}"
         kw = {**(sim or {}), **((per_sim or {}).get(name, {}))}
         sims[name] = ServerThread(build_sim(sim_config(name, **kw))).start()
     base: dict[str, Any] = {
-        "replicas": [{"name": k, "url": v.url} for k, v in sims.items()],
+        "replicas": [{"name": k, "url": v.url, **({"role": roles[k]} if roles and k in roles else {})}
+                     for k, v in sims.items()],
         "pool": {"health_interval_s": 60, "metrics_interval_s": 60},
     }
     if admin_token is not None:
