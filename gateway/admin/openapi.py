@@ -125,8 +125,8 @@ def openapi_document() -> dict[str, Any]:
                            "patch": _op("Change policy or epsilon", "200", schema=_OBJ, body="RoutingIn",
                                         errors=("400",))},
         "/admin/routing/explain": {"post": _op("Every replica's predicted time to first token for a request, "
-                                               "its terms and rails, the pick first; on a P/D fleet, remote prefill or local "
-                                               "and the decision's terms (nothing learned)", "200",
+                                               "its terms and rails, the pick first; on a P/D fleet, remote "
+                                               "prefill or local and the decision's terms (nothing learned)", "200",
                                                schema=_OBJ, body="ExplainIn", errors=("400", "404"))},
         "/admin/cache": {"get": _op("Semantic-cache statistics", "200", schema=_OBJ)},
         "/admin/cache/purge": {"post": _op("Purge by tenant, model or age", "200", schema=_OBJ, body="PurgeIn",
