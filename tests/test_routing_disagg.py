@@ -114,3 +114,20 @@ def test_below_the_threshold_an_idle_cold_prefill_side_never_pays(t: Terms) -> N
     d = decide(cold_idle)
     if d.remote:
         assert t.uncached_decode > d.threshold * (1 - 1e-9)
+
+
+def test_a_legs_placement_marks_are_its_own_and_its_analysis_is_shared() -> None:
+    from routing import prefix_affinity, ttft_affinity
+    from routing.base import PLACEMENT_KEYS, RouteRequest
+
+    # The names the policies keep a placement under: a leg must not inherit another leg's.
+    named = {prefix_affinity._SENT, prefix_affinity._PENDING, prefix_affinity._MARK, ttft_affinity._SENT,
+             ttft_affinity._PENDING, ttft_affinity._MARK, ttft_affinity._PREDICTED}
+    assert named == PLACEMENT_KEYS
+    route = RouteRequest("chat", "m", "ns", {"messages": []}, token_ids=[1, 2])
+    route.scratch.update({"kvgate.prefix": "analysis", "kvgate.sent": "r1", "kvgate.backlog_mark": ("r1", 3)})
+    leg = route.leg()
+    assert leg.scratch == {"kvgate.prefix": "analysis"} and leg.token_ids is route.token_ids
+    leg.scratch.update({"kvgate.key": "key", "kvgate.sent": "p1"})
+    route.adopt(leg)
+    assert route.scratch["kvgate.key"] == "key" and route.scratch["kvgate.sent"] == "r1"
