@@ -61,9 +61,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--prefill-s-per-token", type=float, default=t.prefill_s_per_token)
     timing.add_argument("--decode-base-s", type=float, default=t.decode_base_s)
     timing.add_argument("--decode-s-per-seq", type=float, default=t.decode_s_per_seq)
+    timing.add_argument("--kv-transfer-s-per-token", type=float, default=t.kv_transfer_s_per_token,
+                        help="P/D: seconds per token a decode replica spends pulling KV from a prefill replica")
     timing.add_argument("--prefill-speed", type=float, default=t.prefill_speed,
                         help="prefill runs at this multiple of the speed the two prefill costs give "
                              "(0.5: half speed, every prefill takes twice as long); decode unchanged")
+
+    pd = parser.add_argument_group("P/D disaggregation (vLLM's --kv-transfer-config with NixlConnector)")
+    pd.add_argument("--role", choices=("both", "prefill", "decode"), default=d.role,
+                    help="kv_both (default), kv_producer or kv_consumer: which kv_transfer_params it accepts")
+    pd.add_argument("--engine-id", default=None, help="kv_transfer_config.engine_id (default: a fresh uuid)")
+    pd.add_argument("--side-channel-host", default=None,
+                    help="host peers pull from (VLLM_NIXL_SIDE_CHANNEL_HOST; default --host)")
+    pd.add_argument("--side-channel-port", type=int, default=None,
+                    help="port peers pull from (default --port: the side channel is this HTTP server)")
+    pd.add_argument("--kv-lease-s", type=float, default=d.kv_lease_s,
+                    help="kv_lease_duration: seconds a prefill keeps blocks for a decode (scaled by --time-scale)")
+    pd.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default=d.kv_load_failure_policy,
+                    help="a failed pull fails the request (vLLM's default) or is prefilled locally")
 
     faults = parser.add_argument_group("faults (also settable at run time: POST /sim/faults)")
     faults.add_argument("--error-rate", type=float, default=f.error_rate)
@@ -98,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_base_s=args.prefill_base_s, prefill_s_per_token=args.prefill_s_per_token,
         decode_base_s=args.decode_base_s, decode_s_per_seq=args.decode_s_per_seq,
         max_num_seqs=args.max_num_seqs, time_scale=args.time_scale, prefill_speed=args.prefill_speed,
+        kv_transfer_s_per_token=args.kv_transfer_s_per_token,
     )
     faults = Faults(
         error_rate=args.error_rate, error_status=args.error_status, rate_limit_rate=args.rate_limit_rate,
@@ -117,6 +133,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
         kv_events_buffer=args.kv_events_buffer, kv_events_int_hashes=not args.kv_events_bytes_hashes,
         kv_events_legacy=args.kv_events_legacy,
+        role=args.role, engine_id=args.engine_id, side_channel_host=args.side_channel_host,
+        side_channel_port=args.side_channel_port, kv_lease_s=args.kv_lease_s,
+        kv_load_failure_policy=args.kv_load_failure_policy,
     )
 
 

@@ -55,6 +55,23 @@ class SimConfig:
     kv_events_int_hashes: bool = True
     # Events as arrays (vLLM before PR #42892) instead of tagged maps.
     kv_events_legacy: bool = False
+    # P/D disaggregation, vLLM's --kv-transfer-config with NixlConnector (vllm_sim.pd).
+    # "both" is vLLM's kv_both: it prefills for a remote decode and loads a remote
+    # prefill; "prefill" (kv_producer) refuses to load one, "decode" (kv_consumer)
+    # refuses to prefill for one. Every role serves plain requests, as vLLM does.
+    role: Literal["both", "prefill", "decode"] = "both"
+    # vLLM's kv_transfer_config.engine_id; None: a fresh uuid4, as vLLM draws one.
+    engine_id: str | None = None
+    # Where peers reach this replica's side channel (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST and
+    # _PORT): the simulator serves it on its own HTTP port, so None means host and port.
+    side_channel_host: str | None = None
+    side_channel_port: int | None = None
+    # vLLM's kv_transfer_config extra key kv_lease_duration (30 s): how long a prefill
+    # keeps a finished request's blocks for a decode to pull, scaled by time_scale.
+    kv_lease_s: float = 30.0
+    # vLLM's kv_transfer_config.kv_load_failure_policy: a failed pull fails the request
+    # ("fail", vLLM's default: HTTP 500) or is prefilled locally instead ("recompute").
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.block_size < 1:
@@ -64,6 +81,12 @@ class SimConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"Unknown scheduling policy: {self.scheduling_policy}")
         self.faults.validate()
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"Unknown role: {self.role}")
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ValueError(f"Unknown kv_load_failure_policy: {self.kv_load_failure_policy}")
+        if not self.kv_lease_s > 0:
+            raise ValueError("kv_lease_s must be > 0")
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -47,9 +47,12 @@ from vllm_sim.stats import EngineStats
 from vllm_sim.timing import TimingModel
 from vllm_sim.waiting import FCFSQueue, Policy, PriorityQueue, waiting_queue
 
-__all__ = ["Engine", "GenRequest", "Generation", "TokenEvent", "PromptTooLong"]
+__all__ = ["Engine", "GenRequest", "Generation", "RemoteLoad", "TokenEvent", "PromptTooLong"]
 
 log = logging.getLogger("vllm_sim.engine")
+
+# Stale KV (vllm_sim.pd) perturbs the reply's seed: another, wrong, answer.
+_STALE_SEED = 0x5A5A5A5A
 
 # Lag behind the step deadline forgiven at once (the loop was busy, not the GPU).
 _MAX_LAG_S = 0.05
@@ -57,6 +60,22 @@ _MAX_LAG_S = 0.05
 
 class PromptTooLong(ValueError):
     """The prompt needs more KV blocks than the whole pool has: it could never run."""
+
+
+@dataclass(slots=True)
+class RemoteLoad:
+    """A decode request whose prompt KV was pulled from a prefill replica (vllm_sim.pd).
+
+    vLLM's scheduler takes the local prefix hit first, and the connector loads the rest
+    of the prompt (``get_num_new_matched_tokens``: prompt tokens minus the local hit), so
+    nothing of the prompt is computed here unless the local blocks counted at arrival were
+    evicted before admission."""
+
+    # Prompt tokens the replica held itself when the request arrived (not pulled).
+    local_tokens: int
+    # The prefill's own cache hit, ``remote_prefill_cached_tokens`` in the params: vLLM
+    # reports it as the decode's cached_tokens (OutputProcessor) instead of its own.
+    cached_report: int | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +94,14 @@ class GenRequest:
     # vLLM's request priority: lower is served first under --scheduling-policy priority
     # (ignored under fcfs, as vLLM ignores it).
     priority: int = 0
+    # P/D, prefill side: keep the blocks when the request finishes (vLLM's NIXL
+    # request_finished delays their free until a decode pulls them); see Generation.held.
+    hold_blocks: bool = False
+    # P/D, decode side: the prompt's KV came from a prefill replica.
+    remote: RemoteLoad | None = None
+    # P/D: the pulled blocks had been freed on the prefill replica (lease expired): vLLM
+    # reads them anyway and decodes from stale KV, so the reply differs from the right one.
+    stale_kv: bool = False
 
 
 @dataclass(slots=True)
@@ -116,6 +143,9 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reasons: list[str | None] = [None] * request.n
         self.aborted = False
+        # With ``hold_blocks``: each finished choice's blocks, still pinned, for the P/D
+        # layer to take; ``Engine.generate`` releases any left when the request ends.
+        self.held: list[Allocation] = []
         self._open = request.n
         self._events: list[TokenEvent] = []
         self._wake = asyncio.Event()
@@ -200,6 +230,9 @@ class Engine:
         finally:
             if not gen.finished and not gen.aborted:
                 self._abort(gen)
+            for allocation in gen.held:
+                self.pool.release(allocation)
+            gen.held = []
 
     async def aclose(self) -> None:
         """Stop the step task (app shutdown); requests still in flight are aborted."""
@@ -230,6 +263,8 @@ class Engine:
         arrival = next(self._arrivals)
         for index in range(request.n):
             seed = reply_seed(request.prompt_tokens, index)
+            if request.stale_kv:
+                seed ^= _STALE_SEED
             target = request.max_tokens if request.max_tokens is not None else default_length(seed)
             seqs.append(_Seq(gen, index, max(1, target), seed, arrival))
         self.stats.requests += 1
@@ -381,15 +416,23 @@ class Engine:
             seq.allocation = allocation
             self._running.append(seq)
             computed = total - allocation.cached_tokens
+            remote = gen.request.remote
+            cached = allocation.cached_tokens
+            if remote is not None and not resumed:
+                # The rest of the prompt was pulled: only local blocks evicted since arrival
+                # are computed. vLLM counts local + pulled tokens as cached (PrefillStats),
+                # unless the prefill's own hit came along in the params.
+                computed = max(0, remote.local_tokens - allocation.cached_tokens)
+                cached = gen.prompt_tokens - computed if remote.cached_report is None else remote.cached_report
             uncached += computed
             if resumed:
                 # vLLM's prefill statistics keep the first scheduling, not the repeats.
                 continue
             seq.computed = computed
             if seq.index == 0:
-                gen.cached_tokens = allocation.cached_tokens
+                gen.cached_tokens = cached
                 self.stats.prompt_tokens += gen.prompt_tokens
-                self.stats.record_cached(gen.request.request_id, allocation.cached_tokens)
+                self.stats.record_cached(gen.request.request_id, cached)
         return uncached
 
     async def _sleep_until_step_end(self, loop: asyncio.AbstractEventLoop, duration: float) -> None:
@@ -412,6 +455,10 @@ class Engine:
             seq.gen._push(TokenEvent(seq.index, seq.writer.next_token(), reason))
             self.stats.generation_tokens += 1
             if done:
+                if seq.gen.request.hold_blocks and seq.allocation is not None:
+                    # Finished by stop or length (an abort frees at once, as in vLLM).
+                    seq.gen.held.append(seq.allocation)
+                    seq.allocation = None
                 self._free(seq)
                 self.stats.record_prefill(seq.prefill_s, seq.computed, seq.preemptions)
                 if seq.gen.finished:

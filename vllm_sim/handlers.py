@@ -25,6 +25,7 @@ from vllm_sim.asgi import (
 )
 from vllm_sim.engine import GenRequest, Generation, PromptTooLong, TokenEvent
 from vllm_sim.faults import Faults, fault_reply
+from vllm_sim.pd import PullFailed, leg_of
 from vllm_sim.priority import header_priority
 from vllm_sim.protocol import (
     GenerationParams, Kind, parse_generation, parse_json, prompt_tokens, resolve_max_tokens,
@@ -45,6 +46,10 @@ class _Format:
     garbage = _GARBAGE_EVENT  # what the ``garbage`` fault sends after the first token
 
     def __init__(self, params: GenerationParams, rid: str) -> None:
+        # P/D: a request that carried kv_transfer_params gets the connector's answer
+        # (None on a decode) in its response's own kv_transfer_params field.
+        self.echo_kv = params.kv_transfer_params is not None
+        self.kv_params: dict[str, Any] | None = None
         self.chat = params.kind == "chat"
         self.rid = rid
         self.created = int(time.time())
@@ -129,6 +134,11 @@ class GenerationEndpoint:
         except wire.ApiError as exc:
             await sender.json(exc.status, self._error_body(exc))
             return
+        except PullFailed:
+            # vLLM's kv_load_failure_policy "fail": finish reason "error", a 500 from the server.
+            await sender.json(500, self._error_body(wire.ApiError(500, "Internal server error",
+                                                                  "InternalServerError")))
+            return
         write = self._stream if stream else self._unary
         await run_until_disconnect(write(sender, request, fmt, faults), receive, sender)
 
@@ -159,7 +169,20 @@ class GenerationEndpoint:
         request = GenRequest(rid, tokens, max_tokens, params.n, params.cache_salt,
                              hold_s=faults.stall_before_first_token_s, lora=config.lora(params.model),
                              priority=params.priority)
+        await self._pd_leg(request, params)
         return request, self._format(params, request), params.stream
+
+    async def _pd_leg(self, request: GenRequest, params: GenerationParams) -> None:
+        """P/D (vllm_sim.pd): a prefill leg keeps its blocks; a decode leg pulls its prompt's first."""
+        kv = params.kv_transfer_params
+        leg = leg_of(kv)
+        pd = self.replica.pd
+        pd.check_leg(leg)
+        if leg == "prefill":
+            request.hold_blocks = True
+        elif leg == "decode" and kv is not None:
+            hashes = self.replica.pool.hash_prompt(request.prompt_tokens, request.cache_salt, request.lora)
+            await pd.pull(request, hashes, kv)
 
     async def _stream(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:
         async with self.replica.engine.generate(request) as gen:
@@ -181,6 +204,8 @@ class GenerationEndpoint:
                     await asyncio.sleep(faults.stall_mid_stream_s)
             if opening:
                 await sender.body(opening)
+            # Streamed, the blocks are held all the same (vLLM sends the params on the final chunk).
+            self.replica.pd.finished(request, gen)
             await sender.body(fmt.closing(gen), more=False)
 
     async def _unary(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:
@@ -196,7 +221,12 @@ class GenerationEndpoint:
                 sent += 1
                 if faults.stall_mid_stream_s and sent == faults.stall_after_tokens:
                     await asyncio.sleep(faults.stall_mid_stream_s)
-        body = orjson.dumps(fmt.response(gen, texts))
+            if not dying:
+                fmt.kv_params = self.replica.pd.finished(request, gen)
+        answer = fmt.response(gen, texts)
+        if fmt.echo_kv:
+            answer["kv_transfer_params"] = fmt.kv_params
+        body = orjson.dumps(answer)
         if dying:
             # Promise the whole body, send half, leave: the client sees a truncated response.
             await sender.start(200, b"application/json", [(b"content-length", str(len(body)).encode())])

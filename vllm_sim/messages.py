@@ -35,7 +35,7 @@ from vllm_sim import wire
 from vllm_sim.asgi import Receive, Send, Sender
 from vllm_sim.engine import GenRequest, Generation, TokenEvent
 from vllm_sim.handlers import GenerationEndpoint, _Format, open_request
-from vllm_sim.protocol import GenerationParams, parse_json, resolve_model
+from vllm_sim.protocol import GenerationParams, kv_transfer_params, parse_json, resolve_model
 from vllm_sim.hf_tokenizer import HFPrompts
 from vllm_sim.replica import Replica
 from vllm_sim.template import render_chat
@@ -183,7 +183,8 @@ def _params(body: dict[str, Any], replica: Replica) -> GenerationParams:
         raise wire.ApiError(400, "Parameter 'cache_salt' must be at most 128 characters and must not contain "
                                  "'@', '/', '\\\\', or NUL.", param="cache_salt")
     return GenerationParams(kind="chat", model=model, prompt_text=render_chat(messages, tools), prompt_ids=None,
-                            max_tokens=max_tokens, n=1, stream=bool(stream), include_usage=False, cache_salt=salt)
+                            max_tokens=max_tokens, n=1, stream=bool(stream), include_usage=False, cache_salt=salt,
+                            kv_transfer_params=kv_transfer_params(body))
 
 
 # -- the answer --------------------------------------------------------------------------

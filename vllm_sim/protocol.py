@@ -21,8 +21,8 @@ from vllm_sim.template import render_chat
 from vllm_sim.tokenizer import tokenize
 from vllm_sim.wire import ApiError
 
-__all__ = ["GenerationParams", "parse_json", "parse_generation", "prompt_tokens", "resolve_max_tokens",
-           "resolve_model"]
+__all__ = ["GenerationParams", "kv_transfer_params", "parse_json", "parse_generation", "prompt_tokens",
+           "resolve_max_tokens", "resolve_model"]
 
 Kind = Literal["chat", "completions"]
 _MAX_N = 128
@@ -45,6 +45,8 @@ class GenerationParams:
     body: dict[str, Any] | None = None
     # vLLM's scheduling priority (vllm_sim.priority); the Messages route has none.
     priority: int = 0
+    # P/D disaggregation's per-request params (vllm_sim.pd), as sent; None when absent.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -99,7 +101,16 @@ def parse_generation(kind: Kind, body: dict[str, Any], config: SimConfig) -> Gen
         kind=kind, model=model, prompt_text=text, prompt_ids=ids, max_tokens=max_tokens,
         n=n or 1, stream=bool(stream), include_usage=bool(options and options.get("include_usage")),
         cache_salt=salt, body=body, priority=body_priority(body),
+        kv_transfer_params=kv_transfer_params(body),
     )
+
+
+def kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's ``kv_transfer_params``: an object or null, as vLLM's models type it."""
+    params = body.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise ApiError(400, "kv_transfer_params must be an object.", param="kv_transfer_params")
+    return params
 
 
 async def prompt_tokens(params: GenerationParams, prompts: HFPrompts | None = None) -> list[int]:

@@ -15,6 +15,7 @@ from vllm_sim.engine import Engine
 from vllm_sim.faults import Faults, Verdict, decide
 from vllm_sim.kv import Hasher, KVPool
 from vllm_sim.kv_events import KVEventPublisher
+from vllm_sim.pd import PD
 from vllm_sim.stats import EngineStats
 
 __all__ = ["Replica"]
@@ -29,6 +30,8 @@ class Replica:
         self.pool = KVPool(config.num_gpu_blocks, config.block_size, events=bool(config.kv_events),
                            hasher=_hasher(config))
         self.engine = Engine(self.pool, config.timing, policy=config.scheduling_policy)
+        # P/D disaggregation (vllm_sim.pd): blocks held for decodes, pulls from prefills.
+        self.pd = PD(config, self.pool, config.timing)
         self.publisher: KVEventPublisher | None = None
         if config.kv_events:
             self.publisher = KVEventPublisher(
@@ -70,6 +73,7 @@ class Replica:
         self.pool.clear()
         self.engine.publish_kv_events()
         self.engine.stats = EngineStats()
+        self.pd.reset_stats()
         self.http_requests = 0
         self.renders = 0
         self.faulted = {}
@@ -103,6 +107,10 @@ class Replica:
             "kv_events_published": self.publisher.published if self.publisher else 0,
             "kv_events_dropped": self.publisher.dropped if self.publisher else 0,
             "kv_events_pending": self.publisher.pending if self.publisher else 0,
+            "role": self.config.role,
+            "engine_id": self.pd.engine_id,
+            "kv_held_requests": self.pd.held_requests,
+            "kv_transfer": self.pd.stats.as_dict(),
         }
 
 

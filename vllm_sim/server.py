@@ -13,7 +13,8 @@ Endpoints: ``GET /health`` (503 with the ``unhealthy`` fault), ``GET /version``,
 pooling, render and audio routes of ``vllm_sim.utility_http`` (``/tokenize``, ``/rerank``,
 ``/v1/chat/completions/render``, ``/v1/audio/transcriptions``, ...);
 control plane: ``GET|POST /sim/faults`` (POST replaces the whole fault set, ``{}`` clears it), ``GET /sim/stats``,
-``POST /sim/reset`` (drops cached blocks and counters).
+``POST /sim/reset`` (drops cached blocks and counters); P/D side channel: ``POST /sim/nixl/read``
+(``vllm_sim.pd``: a decode replica pulls the blocks a prefill holds for it).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _routes(replica: Replica) -> list[Route]:
             return _json(exc.body(), exc.status)
 
     async def metrics(request: Request) -> Response:
-        text = render_metrics(config, replica.engine)
+        text = render_metrics(config, replica.engine, replica.pd.stats, replica.pd.held_requests)
         return Response(text, headers={"content-type": CONTENT_TYPE.decode()})
 
     async def get_faults(request: Request) -> Response:
@@ -133,6 +134,15 @@ def _routes(replica: Replica) -> list[Route]:
         return _json({"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens,
                       "token_strs": None})
 
+    async def nixl_read(request: Request) -> Response:
+        # P/D side channel (vllm_sim.pd): a decode replica reads, or releases, held blocks.
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            body = None
+        status, payload = replica.pd.read(body)
+        return _json(payload, status)
+
     async def version(request: Request) -> Response:
         return _json({"version": "vllm_sim"})
 
@@ -159,6 +169,7 @@ def _routes(replica: Replica) -> list[Route]:
         Route("/sim/faults", set_faults, methods=["POST"]),
         Route("/sim/stats", stats, methods=["GET"]),
         Route("/sim/reset", reset, methods=["POST"]),
+        Route("/sim/nixl/read", nixl_read, methods=["POST"]),
     ]
 
 
@@ -170,6 +181,7 @@ def build_app(config: SimConfig | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await replica.engine.aclose()
+        await replica.pd.aclose()
         replica.close()
 
     app = Starlette(

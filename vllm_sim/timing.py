@@ -26,11 +26,15 @@ class TimingModel:
     max_num_seqs: int = 64
     time_scale: float = 1.0
     prefill_speed: float = 1.0
+    # P/D: seconds per prompt token a decode replica waits while it pulls KV from a
+    # prefill replica (vllm_sim.pd); only the tokens it does not hold itself move.
+    kv_transfer_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if min(self.prefill_base_s, self.prefill_s_per_token, self.decode_base_s, self.decode_s_per_seq) < 0:
+        if min(self.prefill_base_s, self.prefill_s_per_token, self.decode_base_s, self.decode_s_per_seq,
+               self.kv_transfer_s_per_token) < 0:
             raise ValueError("durations must be >= 0")
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
@@ -41,6 +45,10 @@ class TimingModel:
         """Scaled seconds to prefill ``uncached_tokens`` prompt tokens in one step."""
         # x / 1.0 is x exactly: at full speed the figures are those without the factor.
         return (self.prefill_base_s + self.prefill_s_per_token * uncached_tokens) / self.prefill_speed * self.time_scale
+
+    def transfer_time(self, tokens: int) -> float:
+        """Scaled seconds to pull ``tokens`` prompt tokens' KV from a prefill replica."""
+        return self.kv_transfer_s_per_token * tokens * self.time_scale
 
     def decode_step_time(self, batch_size: int) -> float:
         """Scaled seconds for one decode step of ``batch_size`` running sequences."""
