@@ -218,11 +218,12 @@ class Disagg:
         rt.metrics.pd_decisions.labels("remote" if decision.remote else "local", decision.reason).inc()
         self.decisions["remote" if decision.remote else "local", decision.reason] += 1
         tried: set[str] = set()
+        prefilled: set[str] = set()  # prefill replicas whose params a decode replica failed on
         for attempt_no in range(2):
             decode_call = call
             record.prefill, record.pulled = None, 0.0
             if decision.remote:
-                params = await self._prefill(ctx, route, call, leg, body)
+                params = await self._prefill(ctx, route, call, leg, body, prefilled)
                 if params is not None:
                     decode_call = _replace_payload(call, with_params(call.payload, params))
                     record.pulled = _pulled(terms, params)
@@ -234,11 +235,15 @@ class Disagg:
                 self._leg("decode", attempt.replica.name, status < 500)
                 return attempt
             # Failed before its first byte: another decode replica, prefilled again (the blocks
-            # the prefill replica pinned for this one expire there, as vLLM's lease does).
+            # the prefill replica pinned for this one expire there, as vLLM's lease does). On
+            # another prefill replica too: a 500 from vLLM's decode is also what a failed pull
+            # gives (kv_load_failure_policy "fail"), and the transfer may be what failed.
             err = await read_error_body(attempt.response, attempt.replica)
             self._leg("decode", attempt.replica.name, False)
             self._fallback("decode", "retry")
             tried.add(attempt.replica.name)
+            if record.prefill is not None:
+                prefilled.add(record.prefill)
             await attempt.close()
             # The failed placement's marks go (backlog, requests in flight); the route is picked again.
             rt.policy.observe(route, RouteFeedback(attempt.replica.name, None, None, False))
@@ -247,14 +252,14 @@ class Disagg:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _prefill(self, ctx: "RequestContext", route: RouteRequest, call: UpstreamCall, leg: LegShape,
-                       body: Mapping[str, Any]) -> dict[str, Any] | None:
+                       body: Mapping[str, Any], avoid: set[str]) -> dict[str, Any] | None:
         """Step 1 and 2: the params a prefill replica returns, or None (fall back to a local prefill)."""
         rt = self.rt
         timeouts = rt.settings.timeouts
         pcall = UpstreamCall(path=call.path, payload=orjson.dumps(leg.body(body)), headers=call.headers,
                              read_timeout_s=timeouts.first_byte_s, connect_timeout_s=call.connect_timeout_s,
                              max_attempts=call.max_attempts, priority=call.priority)
-        tried: set[str] = set()
+        tried = set(avoid)
         for attempt_no in range(2):
             proute = route.leg()
             started = time.perf_counter()
@@ -267,27 +272,29 @@ class Disagg:
                             extra={"request_id": ctx.request_id, "error": str(err)})
                 return None
             replica = attempt.replica
-            params, usage, ok = None, None, False
+            params, usage, answered, refused = None, None, False, False
             try:
                 if attempt.response.status_code != 200:
                     err = await read_error_body(attempt.response, replica)
                     raise err if attempt.response.status_code >= 500 else _Refused(str(err))
                 _, obj = await read_whole(attempt.response, timeout_s=timeouts.first_byte_s)
+                answered = True
                 usage = leg.usage(obj)
                 got = obj.get("kv_transfer_params")
                 params = got if isinstance(got, dict) and got else None
-                ok = params is not None
                 rt.pool.record_success(replica)
             except (UpstreamError, UpstreamTimeout):
                 rt.pool.record_failure(replica)
             except _Refused:
-                pass
+                refused = True
             finally:
                 # Read whole and closed, its slot given back, before the decode leg opens.
                 await attempt.close()
+                # It computed the prompt if it answered, params or not: routing learns it holds it.
                 rt.policy.observe(proute, RouteFeedback(replica.name, usage.prompt_tokens if usage else None,
-                                                        usage.cached_tokens if usage else None, ok))
+                                                        usage.cached_tokens if usage else None, answered))
                 route.adopt(proute)  # the decode leg reuses its analysis: hashed once
+            ok = params is not None
             self._leg("prefill", replica.name, ok)
             if ok:
                 self._prefilled(replica.name, usage, time.perf_counter() - started)
@@ -295,7 +302,13 @@ class Disagg:
                 ctx.disagg.prefill = replica.name
                 return params
             tried.add(replica.name)
-            self._fallback("prefill", "retry" if attempt_no == 0 else "local")
+            if answered or refused or attempt_no == 1:
+                # Answered without params (a replica with no KV connector on this route), refused
+                # the request (4xx: the decode replica gives the client the verdict), or failed
+                # twice: another prefill replica would most likely do the same.
+                self._fallback("prefill", "local")
+                return None
+            self._fallback("prefill", "retry")
         return None
 
     def finished(self, ctx: "RequestContext", decode_replica: str, ttft_s: float | None) -> None:

@@ -1,0 +1,166 @@
+"""kvgate routing a P/D fleet (gateway.proxy.disagg) over simulated replicas that speak vLLM's
+NixlConnector protocol (vllm_sim.pd), driven by the official SDKs.
+
+The simulator's answers are deterministic, so every answer through the three steps must equal
+a plain replica's; its counters show which replica prefilled, which pulled and how much.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.support.pd_sims import PDSim
+from tests.support.pd_stack import PDStack
+from tests.support.stack import MODEL
+
+ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
+PREFILLS, DECODES = ("p1", "p2"), ("d1", "d2")
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    # Several blocks of prompt, unique from the first block on: tests share the replicas.
+    return [{"role": "system", "content": f"{text}: " + "You are a careful assistant. " * 20},
+            {"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def ref() -> Iterator[PDSim]:
+    """A plain replica outside kvgate: the reference answers."""
+    with PDSim("ref") as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[PDStack]:
+    s = PDStack(ROLES, routing={"disaggregation": "always"})
+    yield s
+    s.close()
+
+
+def _counts(stack: PDStack) -> dict[str, dict[str, int]]:
+    return {name: stack.sims[name].stats()["kv_transfer"] for name in stack.sims}
+
+
+def _delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], key: str,
+           names: tuple[str, ...]) -> int:
+    return sum(after[n][key] - before[n][key] for n in names)
+
+
+def _ref_chat(ref: PDSim, messages: list[dict[str, str]], **kw: Any) -> str:
+    r = httpx.post(ref.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, **kw}, timeout=10)
+    return r.json()["choices"][0]["message"]["content"]  # type: ignore[no-any-return]
+
+
+def test_chat_streams_through_the_three_steps_and_answers_as_a_plain_replica(fleet: PDStack, ref: PDSim) -> None:
+    messages = chat("stream me the answer")
+    before = _counts(fleet)
+    with openai.OpenAI(base_url=fleet.base_url, api_key="x", max_retries=0) as client:
+        with client.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=messages, max_tokens=12, stream=True) as raw:  # type: ignore[arg-type]
+            assert raw.headers["x-kvgate-replica"] in DECODES
+            text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    assert text == _ref_chat(ref, messages, max_tokens=12)
+    after = _counts(fleet)
+    # One prefill leg answered by a prefill replica; one decode leg that pulled its whole prompt.
+    assert _delta(before, after, "remote_prefills", PREFILLS) == 1
+    assert _delta(before, after, "reads", PREFILLS) == 1
+    assert _delta(before, after, "transfers", DECODES) == 1
+    assert _delta(before, after, "remote_prefills", DECODES) == 0 and _delta(before, after, "transfers", PREFILLS) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_through_the_three_steps(fleet: PDStack, ref: PDSim, stream: bool) -> None:
+    prompt = f"Once upon a time (stream={stream}), " + "a block was pulled across the fleet. " * 12
+    before = _counts(fleet)
+    with openai.OpenAI(base_url=fleet.base_url, api_key="x", max_retries=0) as client:
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=10, stream=True) if c.choices)
+        else:
+            text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10).choices[0].text
+    expected = httpx.post(ref.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 10},
+                          timeout=10).json()["choices"][0]["text"]
+    assert text == expected
+    after = _counts(fleet)
+    assert _delta(before, after, "remote_prefills", PREFILLS) == 1 and _delta(before, after, "transfers", DECODES) == 1
+
+
+def test_messages_through_the_three_steps_with_the_anthropic_sdk(fleet: PDStack, ref: PDSim) -> None:
+    system, question = "You answer briefly. " * 12, "messages over kvgate's P/D"
+    before = _counts(fleet)
+    with anthropic.Anthropic(base_url=fleet.url, api_key="x", max_retries=0) as client:
+        with client.messages.stream(model=MODEL, max_tokens=9, system=system,
+                                    messages=[{"role": "user", "content": question}]) as stream:
+            text = "".join(stream.text_stream)
+    expected = httpx.post(ref.url + "/v1/messages", json={"model": MODEL, "max_tokens": 9, "system": system,
+                                                          "messages": [{"role": "user", "content": question}]},
+                          timeout=10).json()["content"][0]["text"]
+    assert text == expected
+    after = _counts(fleet)
+    assert _delta(before, after, "remote_prefills", PREFILLS) == 1 and _delta(before, after, "transfers", DECODES) == 1
+
+
+def test_responses_through_the_three_steps(fleet: PDStack, ref: PDSim) -> None:
+    instructions = "You are terse. " * 20
+    before = _counts(fleet)
+    before_requests = {n: fleet.requests(n) for n in PREFILLS}
+    with openai.OpenAI(base_url=fleet.base_url, api_key="x", max_retries=0) as client:
+        raw = client.responses.with_raw_response.create(model=MODEL, instructions=instructions,
+                                                        input="responses over P/D", max_output_tokens=8)
+        answer = raw.parse()
+        mid = _counts(fleet)
+        # The decode replica stored it: a continuation is pinned there (never disaggregated).
+        follow = client.responses.with_raw_response.create(model=MODEL, input="and then?",
+                                                           previous_response_id=answer.id, max_output_tokens=4)
+    expected = httpx.post(ref.url + "/v1/responses", json={"model": MODEL, "instructions": instructions,
+                                                           "input": "responses over P/D", "max_output_tokens": 8},
+                          timeout=10).json()
+    assert answer.output_text == expected["output"][0]["content"][0]["text"]
+    assert raw.headers["x-kvgate-replica"] in DECODES
+    assert follow.headers["x-kvgate-replica"] == raw.headers["x-kvgate-replica"]
+    assert follow.parse().status in ("completed", "incomplete")
+    after = _counts(fleet)
+    after_requests = {n: fleet.requests(n) for n in PREFILLS}
+    # The prefill leg went to a prefill replica. vllm_sim's /v1/responses does not return
+    # kv_transfer_params yet (vLLM 0.33's does: ResponsesResponse.kv_transfer_params), so kvgate
+    # fell back to a local prefill on the decode replica, and the answer is still right.
+    assert sum(after_requests[n] - before_requests[n] for n in PREFILLS) == 1
+    assert _delta(mid, after, "remote_prefills", PREFILLS) == 0  # the pinned continuation: one leg
+
+
+def test_every_leg_gives_its_slot_and_lease_back(fleet: PDStack) -> None:
+    rt = fleet.runtime
+    with openai.OpenAI(base_url=fleet.base_url, api_key="x", max_retries=0) as client:
+        for i in range(3):
+            client.chat.completions.create(model=MODEL, messages=chat(f"slots {i}"), max_tokens=3)  # type: ignore[arg-type]
+    assert all(r.in_flight == 0 for r in rt.pool.replicas.values())
+    assert rt.pool.active_requests == 0 and rt.pool.budget.active_retries == 0
+
+
+def test_status_metrics_and_explain_show_the_pd_fleet(fleet: PDStack) -> None:
+    with openai.OpenAI(base_url=fleet.base_url, api_key="x", max_retries=0) as client:
+        client.chat.completions.create(model=MODEL, messages=chat("observe me"), max_tokens=3)  # type: ignore[arg-type]
+        # The same prompt again: the prefill side's cache hit, on the prefill replica that holds it.
+        client.chat.completions.create(model=MODEL, messages=chat("observe me"), max_tokens=3)  # type: ignore[arg-type]
+    status = fleet.admin_get("/admin/status")
+    pd = status["disaggregation"]
+    assert pd["active"] and pd["mode"] == "always" and pd["replicas"] == {"prefill": 2, "decode": 2}
+    assert pd["legs"]["prefill"]["ok"] >= 2 and pd["legs"]["decode"]["ok"] >= 2
+    assert pd["decisions"]["remote"] >= 2 and pd["transfer_tokens"] > 0
+    assert 0 < pd["prefill_hit_ratio"] < 1
+    assert {row["name"]: row["role"] for row in status["replicas"]} == ROLES
+    metrics = httpx.get(fleet.url + "/metrics", timeout=5).text
+    for family in ("kvgate_pd_legs_total{", "kvgate_pd_decisions_total{", "kvgate_pd_prefill_tokens_total{",
+                   "kvgate_pd_transfer_tokens_total{"):
+        assert family in metrics, family
+    explained = fleet.admin_post("/admin/routing/explain", {"body": {"model": MODEL, "messages": chat("why?")}})
+    assert explained.status_code == 200, explained.text
+    pd_row = explained.json()["disaggregation"]
+    assert pd_row["remote"] is True and pd_row["reason"] in ("always", "remote")
+    assert {"uncached_decode", "uncached_prefill", "rate_decode", "transfer_s_per_token", "leg_s"} <= set(pd_row["terms"])
+    assert {"local_s", "stall_s", "remote_s", "threshold", "headroom_s"} <= set(pd_row["figures"])
