@@ -107,7 +107,6 @@ def test_messages_through_the_three_steps_with_the_anthropic_sdk(fleet: PDStack,
 
 def test_responses_through_the_three_steps(fleet: PDStack, ref: PDSim) -> None:
     instructions = "You are terse. " * 20
-    before = _counts(fleet)
     before_requests = {n: fleet.requests(n) for n in PREFILLS}
     with openai.OpenAI(base_url=fleet.base_url, api_key="x", max_retries=0) as client:
         raw = client.responses.with_raw_response.create(model=MODEL, instructions=instructions,
@@ -162,5 +161,6 @@ def test_status_metrics_and_explain_show_the_pd_fleet(fleet: PDStack) -> None:
     assert explained.status_code == 200, explained.text
     pd_row = explained.json()["disaggregation"]
     assert pd_row["remote"] is True and pd_row["reason"] in ("always", "remote")
-    assert {"uncached_decode", "uncached_prefill", "rate_decode", "transfer_s_per_token", "leg_s"} <= set(pd_row["terms"])
+    terms = set(pd_row["terms"])
+    assert {"uncached_decode", "uncached_prefill", "rate_decode", "transfer_s_per_token", "leg_s"} <= terms
     assert {"local_s", "stall_s", "remote_s", "threshold", "headroom_s"} <= set(pd_row["figures"])
