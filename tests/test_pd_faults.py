@@ -1,0 +1,140 @@
+"""Faults in a P/D fleet (gateway.proxy.disagg): each fallback path over simulated replicas.
+
+Every answer must equal a plain replica's (the simulator is deterministic): a fault may cost a
+leg, never a wrong answer, and no client sees an error a healthy replica could have avoided.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.support.pd_sims import PDSim
+from tests.support.pd_stack import PDStack
+from tests.support.stack import MODEL
+
+ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
+PREFILLS, DECODES = ("p1", "p2"), ("d1", "d2")
+# Enough distinct prompts that routing puts each replica first for some (rendezvous order by
+# prompt): the chance that one is never first in 24 is 2^-24.
+TRIES = 24
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": f"{text}: " + "You answer with care. " * 20},
+            {"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def ref() -> Iterator[PDSim]:
+    with PDSim("ref") as sim:
+        yield sim
+
+
+def expected(ref: PDSim, messages: list[dict[str, str]]) -> str:
+    r = httpx.post(ref.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8},
+                   timeout=10)
+    return r.json()["choices"][0]["message"]["content"]  # type: ignore[no-any-return]
+
+
+def ask(stack: PDStack, messages: list[dict[str, str]], stream: bool = True) -> str:
+    with openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as client:
+        if not stream:
+            return client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                                  max_tokens=8).choices[0].message.content or ""
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, stream=True) if c.choices)  # type: ignore[arg-type]
+
+
+def pd(stack: PDStack, names: tuple[str, ...], key: str) -> int:
+    return sum(stack.sims[n].stats()["kv_transfer"][key] for n in names)
+
+
+@pytest.fixture
+def fleet() -> Iterator[PDStack]:
+    s = PDStack(ROLES, routing={"disaggregation": "always"}, pool={"eject_consecutive_failures": 100})
+    yield s
+    s.close()
+
+
+def until(stack: PDStack, ref: PDSim, tag: str, done: Any) -> int:
+    """Ask distinct questions until ``done()``; every answer must be right. The number asked."""
+    for i in range(TRIES):
+        messages = chat(f"{tag} {i}")
+        assert ask(stack, messages, stream=i % 2 == 0) == expected(ref, messages)
+        if done():
+            return i + 1
+    raise AssertionError(f"{tag}: the fault's path was never taken in {TRIES} requests")
+
+
+def test_a_failing_prefill_replica_is_retried_on_another(fleet: PDStack, ref: PDSim) -> None:
+    fleet.faults("p1", error_rate=1.0, error_status=500)
+    fallbacks = fleet.runtime.disagg.fallbacks
+    asked = until(fleet, ref, "prefill fails", lambda: fallbacks["prefill", "retry"] >= 1)
+    # Every request was still prefilled remotely (by p2) and pulled by a decode replica.
+    assert pd(fleet, DECODES, "transfers") == asked and fallbacks["prefill", "local"] == 0
+    assert fleet.sims["p1"].stats()["kv_transfer"]["remote_prefills"] == 0
+
+
+def test_every_prefill_replica_failing_falls_back_to_a_local_prefill(fleet: PDStack, ref: PDSim) -> None:
+    for name in PREFILLS:
+        fleet.faults(name, error_rate=1.0, error_status=500)
+    messages = chat("no prefill replica works")
+    assert ask(fleet, messages) == expected(ref, messages)
+    assert fleet.runtime.disagg.fallbacks["prefill", "local"] == 1
+    assert pd(fleet, DECODES, "transfers") == 0  # the decode replica computed the prompt itself
+
+
+def test_a_decode_replica_failing_before_its_first_byte_is_replaced_and_prefilled_again(
+        fleet: PDStack, ref: PDSim) -> None:
+    fleet.faults("d1", error_rate=1.0, error_status=500)
+    disagg = fleet.runtime.disagg
+    asked = until(fleet, ref, "decode fails", lambda: disagg.fallbacks["decode", "retry"] >= 1)
+    retries = disagg.fallbacks["decode", "retry"]
+    # One prefill leg per request, and one more for each retried decode leg.
+    assert pd(fleet, PREFILLS, "remote_prefills") == asked + retries
+    assert pd(fleet, ("d2",), "transfers") == asked
+
+
+def test_a_prefill_replica_killed_is_skipped(fleet: PDStack, ref: PDSim) -> None:
+    fleet.sims["p1"].server.stop()
+    for i in range(6):
+        messages = chat(f"p1 is gone {i}")
+        assert ask(fleet, messages) == expected(ref, messages)
+    assert pd(fleet, ("p2",), "remote_prefills") == 6 and pd(fleet, DECODES, "transfers") == 6
+
+
+def test_a_transfer_refused_is_prefilled_again_elsewhere() -> None:
+    # p1 names a side channel nobody listens on: every pull of its blocks fails, and vLLM's
+    # default kv_load_failure_policy ("fail") answers 500 before any byte.
+    with PDSim("ref2") as ref:
+        stack = PDStack(ROLES, routing={"disaggregation": "always"}, per_sim={"p1": {"side_channel_port": 9}},
+                        pool={"eject_consecutive_failures": 100})
+        try:
+            disagg = stack.runtime.disagg
+            asked = until(stack, ref, "transfer refused", lambda: disagg.fallbacks["decode", "retry"] >= 1)
+            assert pd(stack, DECODES, "failed_transfers") == disagg.fallbacks["decode", "retry"]
+            assert pd(stack, DECODES, "transfers") == asked  # each answer pulled from p2 in the end
+        finally:
+            stack.close()
+
+
+def test_a_decode_replica_dying_mid_stream_gives_partial_output_then_an_error() -> None:
+    stack = PDStack({"p1": "prefill", "d1": "decode"}, routing={"disaggregation": "always"})
+    try:
+        stack.faults("d1", die_after_tokens=2)
+        seen = []
+        with openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.APIError):
+                for c in client.chat.completions.create(model=MODEL, messages=chat("die mid-stream"),  # type: ignore
+                                                        max_tokens=8, stream=True):
+                    if c.choices:
+                        seen.append(c.choices[0].delta.content or "")
+        assert "".join(seen)  # the client saw bytes: nothing was retried after them
+        assert pd(stack, ("p1",), "remote_prefills") == 1
+        assert stack.runtime.disagg.fallbacks["decode", "retry"] == 0
+    finally:
+        stack.close()
