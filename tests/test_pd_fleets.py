@@ -1,0 +1,140 @@
+"""P/D beside the rest of kvgate: tenants' salts on both legs, mixed fleets, selective decisions,
+admission's slots per leg, ``kvgate check`` (gateway.proxy.disagg over vllm_sim.pd)."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.server.check import check_fleet
+from tests.support.pd_sims import PDSim
+from tests.support.pd_stack import PDStack
+from tests.support.stack import MODEL
+
+TENANTS = [{"name": "a", "api_keys": ["sk-a"]}, {"name": "b", "api_keys": ["sk-b"]}]
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "You are the support desk of a router maker. " * 20},
+            {"role": "user", "content": text}]
+
+
+def ask(base_url: str, key: str, messages: list[dict[str, str]]) -> httpx.Headers:
+    with openai.OpenAI(base_url=base_url, api_key=key, max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages,  # type: ignore
+                                                                max_tokens=4)
+        raw.parse()
+        return raw.headers
+
+
+def kv(stack: PDStack, name: str) -> dict[str, int]:
+    return stack.sims[name].stats()["kv_transfer"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def salted() -> Iterator[PDStack]:
+    # Tenants turn admission on: every leg takes and gives back a slot.
+    s = PDStack({"p1": "prefill", "d1": "decode"}, routing={"disaggregation": "always"}, tenants=TENANTS)
+    yield s
+    s.close()
+
+
+def test_each_tenants_salt_is_on_both_legs(salted: PDStack) -> None:
+    messages = chat("Which firmware fixes the reboot loop?")
+    ask(salted.base_url, "sk-a", messages)
+    hit = salted.runtime.disagg.prefill_cached
+    before = kv(salted, "d1")
+    # The same prompt from a: the prefill replica reuses a's blocks (same salt on the prefill
+    # leg), and the decode replica, holding them under a's salt, pulls only the last block.
+    ask(salted.base_url, "sk-a", messages)
+    assert salted.runtime.disagg.prefill_cached > hit
+    again = kv(salted, "d1")
+    assert again["transfer_tokens"] - before["transfer_tokens"] <= 16
+    # From b: another salt on both legs. The prefill replica reuses nothing of a's (no cached
+    # tokens), and the decode replica pulls the whole prompt, its own blocks not matching a's.
+    cached = salted.runtime.disagg.prefill_cached
+    ask(salted.base_url, "sk-b", messages)
+    assert salted.runtime.disagg.prefill_cached == cached
+    after = kv(salted, "d1")
+    prompt = salted.runtime.disagg.prefill_prompt
+    assert after["transfer_tokens"] - again["transfer_tokens"] > 16 * 10
+    assert prompt > 0
+
+
+def test_admissions_slots_are_each_legs_and_all_come_back(salted: PDStack) -> None:
+    rt = salted.runtime
+    assert rt.admission.active
+    for i in range(3):
+        ask(salted.base_url, "sk-b", chat(f"slot {i}"))
+
+    def settled() -> bool:
+        # The client has its last byte a moment before the relay closes the upstream and lets go.
+        return (sum(rt.admission.shares.held(t) for t in ("a", "b")) == 0
+                and all(r.in_flight == 0 for r in rt.pool.replicas.values()))
+
+    deadline = time.monotonic() + 5
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert settled()
+    assert rt.admission.stats()["tenants"].get("b", {}).get("timeout", 0) == 0
+
+
+def test_a_mixed_fleet_serves_correctly_and_may_serve_a_request_whole_on_a_both_replica() -> None:
+    roles = {"p1": "prefill", "d1": "decode", "b1": "both"}
+    with PDSim("ref") as ref:
+        stack = PDStack(roles)  # selective
+        try:
+            served = set()
+            for i in range(8):
+                messages = chat(f"mixed fleet question {i}")
+                headers = ask(stack.base_url, "x", messages)
+                served.add(headers["x-kvgate-replica"])
+                with openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as client:
+                    got = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore
+                                                         max_tokens=6).choices[0].message.content
+                want = httpx.post(ref.url + "/v1/chat/completions", timeout=10, json={
+                    "model": MODEL, "messages": messages, "max_tokens": 6}).json()["choices"][0]["message"]["content"]
+                assert got == want
+            # Never decoded on the prefill replica; the both replica took requests whole.
+            assert served <= {"d1", "b1"} and "b1" in served
+            stats = stack.runtime.disagg.stats()
+            # An idle fleet with no rates learned: a remote prefill costs what a local one does
+            # (the prefill replica as cold as the decode one), so selective keeps them local.
+            assert stats["decisions"]["local"] == 16 and stats["decisions"]["remote"] == 0
+            assert stack.sims["p1"].stats()["requests"] == 0
+        finally:
+            stack.close()
+
+
+def test_selective_keeps_a_follow_up_local_and_explains_why() -> None:
+    stack = PDStack({"p1": "prefill", "d1": "decode"})
+    try:
+        messages = chat("What does the amber light mean?")
+        ask(stack.base_url, "x", messages)
+        # The follow-up turn: most of its prompt is now on d1.
+        follow = [*messages, {"role": "assistant", "content": "It means updating."},
+                  {"role": "user", "content": "How long does it take?"}]
+        r = stack.admin_post("/admin/routing/explain", {"body": {"model": MODEL, "messages": follow}})
+        assert r.status_code == 200, r.text
+        row = r.json()["disaggregation"]
+        assert row["remote"] is False and row["mode"] == "selective"
+        assert row["terms"]["uncached_decode"] < row["terms"]["uncached_prefill"]
+        ask(stack.base_url, "x", follow)
+        assert stack.sims["p1"].stats()["requests"] == 0
+    finally:
+        stack.close()
+
+
+def test_kvgate_check_reports_each_replicas_role() -> None:
+    stack = PDStack({"p1": "prefill", "d1": "decode", "b1": "both"})
+    try:
+        checks = {(c.replica, c.name): c for c in check_fleet(stack.settings, timeout_s=5)}
+        assert checks[("p1", "role")].detail.startswith("prefill")
+        assert checks[("d1", "role")].detail.startswith("decode")
+        assert checks[("b1", "role")].detail.startswith("both")
+    finally:
+        stack.close()
