@@ -170,7 +170,10 @@ def test_status_metrics_and_explain_show_the_pd_fleet(fleet: PDStack) -> None:
         assert family in metrics, family
     explained = fleet.admin_post("/admin/routing/explain", {"body": {"model": MODEL, "messages": chat("why?")}})
     assert explained.status_code == 200, explained.text
-    pd_row = explained.json()["disaggregation"]
+    out = explained.json()
+    assert {r["replica"] for r in out["replicas"]} == set(DECODES)  # the decode pick's candidates
+    assert {r["replica"] for r in out["prefill_replicas"]} == set(PREFILLS)
+    pd_row = out["disaggregation"]
     assert pd_row["remote"] is True and pd_row["reason"] in ("always", "remote")
     terms = set(pd_row["terms"])
     assert {"uncached_decode", "uncached_prefill", "rate_decode", "transfer_s_per_token", "leg_s"} <= terms

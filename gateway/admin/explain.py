@@ -23,6 +23,7 @@ from routing import RouteRequest
 
 from .bodies import Body
 from gateway.errors import BadRequest, NotFound
+from gateway.proxy.disagg import DECODE_ROLES, PREFILL_ROLES
 from gateway.proxy.validate import validate
 
 if TYPE_CHECKING:
@@ -58,10 +59,20 @@ async def explain(rt: "Runtime", spec: ExplainIn) -> dict[str, Any]:
     route = RouteRequest(spec.endpoint, model, tenant.namespace, body)
     if rt.tokenization.enabled:
         route.token_ids = await rt.tokenization.token_ids(model, spec.endpoint, body)
-    rows = [r._asdict() if hasattr(r, "_asdict") else dict(r) for r in explainer(route, replicas)]
+    pd = rt.pool.disaggregated
+    # A P/D fleet: ``replicas`` are the decode pick's candidates, ``prefill_replicas`` the prefill pick's.
+    decoders = [r for r in replicas if r.role in DECODE_ROLES] if pd else replicas
     out = {"policy": policy.name, "model": model, "tenant": tenant.name, "token_ids": route.token_ids is not None,
-           "replicas": [{**row, "pick": i == 0} for i, row in enumerate(rows)]}
-    if rt.pool.disaggregated:
-        # A P/D fleet: remote prefill or local, and the terms that decided it (routing.disagg).
+           "replicas": _rows(explainer, route, decoders)}
+    if pd:
+        out["prefill_replicas"] = _rows(explainer, route.leg(), [r for r in replicas if r.role in PREFILL_ROLES])
+        # Remote prefill or local, and the terms that decided it (routing.disagg).
         out["disaggregation"] = rt.disagg.explain(route, len(orjson.dumps(body)))
     return out
+
+
+def _rows(explainer: Any, route: RouteRequest, replicas: list[Any]) -> list[dict[str, Any]]:
+    if not replicas:
+        return []
+    rows = [r._asdict() if hasattr(r, "_asdict") else dict(r) for r in explainer(route, replicas)]
+    return [{**row, "pick": i == 0} for i, row in enumerate(rows)]

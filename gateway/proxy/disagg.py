@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from .pool import Replica
     from gateway.runtime import Runtime
 
-__all__ = ["CHAT_LEG", "COMPLETIONS_LEG", "REMOTE_DECODE", "Disagg", "LegShape", "with_params"]
+__all__ = ["CHAT_LEG", "COMPLETIONS_LEG", "DECODE_ROLES", "PREFILL_ROLES", "REMOTE_DECODE", "Disagg", "LegShape",
+           "with_params"]
 
 log = logging.getLogger("kvgate.disagg")
 
