@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.support.kv_sims import token_prompt
-from tests.support.pd_sims import PDSim, decode_body, prefill_body
+from tests.support.pd_sims import REMOTE_DECODE, PDSim, decode_body, prefill_body
 from tests.support.stack import MODEL
 
 BS = 16
@@ -221,3 +221,18 @@ def test_the_messages_route_carries_the_params_both_ways(pd: tuple[PDSim, ...]) 
     second = post(d.url, "/v1/messages", decode_body(body, params)).json()
     expected = post(plain.url, "/v1/messages", body).json()
     assert second["content"] == expected["content"]
+
+
+def test_the_responses_route_carries_the_params_both_ways(pd: tuple[PDSim, ...]) -> None:
+    p, d, plain = pd
+    body = {"model": MODEL, "input": "responses over P/D: " + "tell me more. " * 12, "max_output_tokens": 9}
+    first = post(p.url, "/v1/responses", {**body, "max_output_tokens": 1, "stream": False,
+                                          "kv_transfer_params": dict(REMOTE_DECODE)}).json()
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_request_id"] == first["id"]
+    before = d.stats()["kv_transfer"]["transfers"]
+    second = post(d.url, "/v1/responses", decode_body(body, params)).json()
+    expected = post(plain.url, "/v1/responses", body).json()
+    assert second["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    assert second["kv_transfer_params"] is None
+    assert d.stats()["kv_transfer"]["transfers"] == before + 1
