@@ -126,14 +126,14 @@ def test_blocks_the_decode_holds_are_not_pulled_again(pd: tuple[PDSim, ...]) -> 
     assert [t for run in new_runs for t in run] == ids[4 * BS: 6 * BS]  # only the pulled full blocks are new
 
 
-def test_a_full_local_hit_pulls_nothing_but_releases_the_prefills_blocks(pd: tuple[PDSim, ...]) -> None:
+def test_a_prompt_held_whole_still_pulls_its_last_block_and_releases_the_prefills(pd: tuple[PDSim, ...]) -> None:
     p, d, _ = pd
     ids = token_prompt(8, 3, tail=0)
     assert post(d.url, "/v1/completions", completion(ids)).status_code == 200
     before_d, before_p = d.stats()["kv_transfer"], p.stats()["kv_transfer"]
     three_steps(p, d, "/v1/completions", completion(ids))
     after_d, after_p = d.stats()["kv_transfer"], p.stats()["kv_transfer"]
-    # 3 blocks, the last token recomputed: 2 blocks local, the third pulled.
+    # 3 blocks: vLLM's local hit stops before the last token, so 2 blocks are local and the third is pulled.
     assert after_d["transfer_blocks"] - before_d["transfer_blocks"] == 1
     assert after_p["reads"] == before_p["reads"] + 1
 
