@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import httpx
 
@@ -28,15 +29,22 @@ def binary(name: str) -> str | None:
 
 
 def start_peer(name: str, args: list[str], worker_urls: list[str], workdir: Path, label: str,
-               timeout: float = 60.0) -> LocalServer:
-    """Run ``name ARGS --host H --port P --worker-urls ... --prometheus-*``; return once every worker is healthy."""
+               timeout: float = 60.0, ready: Callable[[dict[str, Any]], bool] | None = None) -> LocalServer:
+    """Run ``name ARGS --host H --port P --worker-urls ... --prometheus-*``; return once every worker is healthy.
+
+    With no ``worker_urls`` the workers are in ``args`` (vllm-router's P/D mode: ``--prefill``,
+    ``--decode``) and ``ready`` says, from the ``/readiness`` JSON, when they are all healthy."""
     exe = binary(name)
     if exe is None:
         raise RuntimeError(f"{name} is not installed (pip install {name}: the bench extra)")
     port = free_port()
     log_path = workdir / f"{name}-{label}.log"
-    argv = [exe, *args, "--host", HOST, "--port", str(port), "--worker-urls", *worker_urls,
+    workers = ["--worker-urls", *worker_urls] if worker_urls else []
+    argv = [exe, *args, "--host", HOST, "--port", str(port), *workers,
             "--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+    if ready is None:
+        def ready(state: dict[str, Any]) -> bool:
+            return state.get("healthy_workers") == len(worker_urls)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     server = LocalServer(port, proc, log_path)
@@ -44,7 +52,7 @@ def start_peer(name: str, args: list[str], worker_urls: list[str], workdir: Path
     while True:
         try:
             r = httpx.get(server.url + "/readiness", timeout=1)
-            if r.status_code == 200 and r.json().get("healthy_workers") == len(worker_urls):
+            if r.status_code == 200 and ready(r.json()):
                 return server
         except (httpx.HTTPError, ValueError):
             pass

@@ -125,37 +125,63 @@ def build(name: str, args: argparse.Namespace) -> Workload:
 SHARED = "prefix_affinity+shared"
 
 
+def request_body(req: Request, model: str) -> dict[str, Any]:
+    """The body this benchmark streams for ``req``: usage included, ``max_tokens`` capped at ``MAX_TOKENS``."""
+    body = {**req.body(), "model": model, "stream": True, "stream_options": {"include_usage": True}}
+    body["max_tokens"] = max(1, min(int(body.get("max_tokens") or req.output_tokens or 16), MAX_TOKENS))
+    return body
+
+
+def request_path(req: Request) -> str:
+    return "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, req: Request, body: dict[str, Any]) -> Usage:
+    """POST ``body`` (streamed) to ``url``; time to first event, gaps between text chunks, the text, usage."""
+    t0 = time.perf_counter()
+    ttft = last = None
+    itls: list[float] = []
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", url + request_path(req), content=orjson.dumps(body),
+                             headers={"content-type": "application/json", **req.headers}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"status {resp.status_code}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            obj = orjson.loads(line[6:])
+            if obj.get("error"):
+                raise RuntimeError(f"error event: {obj['error']}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            piece = "".join(str((c.get("delta") or {}).get("content") or c.get("text") or "")
+                            for c in obj.get("choices") or () if c.get("index", 0) == 0)
+            if piece:
+                if last is not None:
+                    itls.append(now - last)
+                last = now
+                text.append(piece)
+    details = usage.get("prompt_tokens_details") or {}
+    return Usage(int(usage.get("prompt_tokens", 0)), details.get("cached_tokens"), ttft, itls, "".join(text))
+
+
 async def _send_factory(gws: list[Any], model: str, seed: int = 7) -> Any:
     client = httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=256))
     pick = random.Random(seed)
 
     async def send(req: Request) -> Usage:
         gw = gws[pick.randrange(len(gws))]  # a Service spreads clients over the instances
-        body = {**req.body(), "model": model, "stream": True, "stream_options": {"include_usage": True}}
-        body["max_tokens"] = max(1, min(int(body.get("max_tokens") or req.output_tokens or 16), MAX_TOKENS))
-        path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
-        t0 = time.perf_counter()
-        ttft = None
-        usage: dict[str, Any] = {}
-        async with client.stream("POST", gw.url + path, content=orjson.dumps(body),
-                                 headers={"content-type": "application/json", **req.headers}) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"status {resp.status_code}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                obj = orjson.loads(line[6:])
-                if obj.get("usage"):
-                    usage = obj["usage"]
-        details = usage.get("prompt_tokens_details") or {}
-        return Usage(int(usage.get("prompt_tokens", 0)), details.get("cached_tokens"), ttft)
+        return await stream_request(client, gw.url, req, request_body(req, model))
 
     return client, send
 
 
-def _fleet_ratio(urls: list[str]) -> float:
+def fleet_ratio(urls: list[str]) -> float:
+    """The replicas' prefix-cache hit ratio, from their own ``vllm:prefix_cache_*`` counters."""
     hits = queries = 0.0
     for url in urls:
         m = parse_vllm_metrics(httpx.get(url + "/metrics", timeout=5).text)
@@ -249,7 +275,7 @@ async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: 
         await client.aclose()
         summary: dict[str, Any] = dict(summarise(results))
         counts = request_counts(sims)
-        summary.update(policy=policy, fleet_hit_ratio=_fleet_ratio([s.url for s in sims]), wall_s=wall,
+        summary.update(policy=policy, fleet_hit_ratio=fleet_ratio([s.url for s in sims]), wall_s=wall,
                        requests_per_replica=counts, max_over_mean_requests=max_over_mean(counts))
         return summary
     finally:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from .workloads import ClosedLoop, Request, Workload, chains
@@ -41,6 +41,10 @@ class Usage:
     cached_tokens: int | None = None
     # Time to first token, if ``send`` streamed and measured it.
     ttft_s: float | None = None
+    # Seconds between successive text chunks after the first, and the answer's text (choice 0),
+    # if ``send`` recorded them (bench.pd checks answers and inter-token latency).
+    itl_s: list[float] = field(default_factory=list)
+    text: str | None = None
 
 
 @dataclass(slots=True)

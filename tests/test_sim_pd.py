@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.support.kv_sims import token_prompt
-from tests.support.pd_sims import PDSim, decode_body, prefill_body
+from tests.support.pd_sims import REMOTE_DECODE, PDSim, decode_body, prefill_body
 from tests.support.stack import MODEL
 
 BS = 16
@@ -126,14 +126,14 @@ def test_blocks_the_decode_holds_are_not_pulled_again(pd: tuple[PDSim, ...]) -> 
     assert [t for run in new_runs for t in run] == ids[4 * BS: 6 * BS]  # only the pulled full blocks are new
 
 
-def test_a_full_local_hit_pulls_nothing_but_releases_the_prefills_blocks(pd: tuple[PDSim, ...]) -> None:
+def test_a_prompt_held_whole_still_pulls_its_last_block_and_releases_the_prefills(pd: tuple[PDSim, ...]) -> None:
     p, d, _ = pd
     ids = token_prompt(8, 3, tail=0)
     assert post(d.url, "/v1/completions", completion(ids)).status_code == 200
     before_d, before_p = d.stats()["kv_transfer"], p.stats()["kv_transfer"]
     three_steps(p, d, "/v1/completions", completion(ids))
     after_d, after_p = d.stats()["kv_transfer"], p.stats()["kv_transfer"]
-    # 3 blocks, the last token recomputed: 2 blocks local, the third pulled.
+    # 3 blocks: vLLM's local hit stops before the last token, so 2 blocks are local and the third is pulled.
     assert after_d["transfer_blocks"] - before_d["transfer_blocks"] == 1
     assert after_p["reads"] == before_p["reads"] + 1
 
@@ -221,3 +221,18 @@ def test_the_messages_route_carries_the_params_both_ways(pd: tuple[PDSim, ...]) 
     second = post(d.url, "/v1/messages", decode_body(body, params)).json()
     expected = post(plain.url, "/v1/messages", body).json()
     assert second["content"] == expected["content"]
+
+
+def test_the_responses_route_carries_the_params_both_ways(pd: tuple[PDSim, ...]) -> None:
+    p, d, plain = pd
+    body = {"model": MODEL, "input": "responses over P/D: " + "tell me more. " * 12, "max_output_tokens": 9}
+    first = post(p.url, "/v1/responses", {**body, "max_output_tokens": 1, "stream": False,
+                                          "kv_transfer_params": dict(REMOTE_DECODE)}).json()
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_request_id"] == first["id"]
+    before = d.stats()["kv_transfer"]["transfers"]
+    second = post(d.url, "/v1/responses", decode_body(body, params)).json()
+    expected = post(plain.url, "/v1/responses", body).json()
+    assert second["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    assert second["kv_transfer_params"] is None
+    assert d.stats()["kv_transfer"]["transfers"] == before + 1

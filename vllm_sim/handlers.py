@@ -25,7 +25,7 @@ from vllm_sim.asgi import (
 )
 from vllm_sim.engine import GenRequest, Generation, PromptTooLong, TokenEvent
 from vllm_sim.faults import Faults, fault_reply
-from vllm_sim.pd import PullFailed, leg_of
+from vllm_sim.pd import PullFailed
 from vllm_sim.priority import header_priority
 from vllm_sim.protocol import (
     GenerationParams, Kind, parse_generation, parse_json, prompt_tokens, resolve_max_tokens,
@@ -33,7 +33,10 @@ from vllm_sim.protocol import (
 from vllm_sim.hf_tokenizer import HFPrompts
 from vllm_sim.replica import Replica
 
-__all__ = ["GenerationEndpoint"]
+__all__ = ["GenerationEndpoint", "PULL_FAILED"]
+
+# vLLM's kv_load_failure_policy "fail": finish reason "error", which its server answers with a 500.
+PULL_FAILED = wire.ApiError(500, "Internal server error", "InternalServerError")
 
 _GARBAGE_EVENT = b'data: {"id": "chatcmpl-garbage", "choices": [{"delta": \n\n'
 
@@ -135,9 +138,7 @@ class GenerationEndpoint:
             await sender.json(exc.status, self._error_body(exc))
             return
         except PullFailed:
-            # vLLM's kv_load_failure_policy "fail": finish reason "error", a 500 from the server.
-            await sender.json(500, self._error_body(wire.ApiError(500, "Internal server error",
-                                                                  "InternalServerError")))
+            await sender.json(500, self._error_body(PULL_FAILED))
             return
         write = self._stream if stream else self._unary
         await run_until_disconnect(write(sender, request, fmt, faults), receive, sender)
@@ -169,20 +170,9 @@ class GenerationEndpoint:
         request = GenRequest(rid, tokens, max_tokens, params.n, params.cache_salt,
                              hold_s=faults.stall_before_first_token_s, lora=config.lora(params.model),
                              priority=params.priority)
-        await self._pd_leg(request, params)
+        # P/D (vllm_sim.pd): a prefill leg keeps its blocks, a decode leg pulls its prompt's first.
+        await self.replica.pd.begin(request, params.kv_transfer_params)
         return request, self._format(params, request), params.stream
-
-    async def _pd_leg(self, request: GenRequest, params: GenerationParams) -> None:
-        """P/D (vllm_sim.pd): a prefill leg keeps its blocks; a decode leg pulls its prompt's first."""
-        kv = params.kv_transfer_params
-        leg = leg_of(kv)
-        pd = self.replica.pd
-        pd.check_leg(leg)
-        if leg == "prefill":
-            request.hold_blocks = True
-        elif leg == "decode" and kv is not None:
-            hashes = self.replica.pool.hash_prompt(request.prompt_tokens, request.cache_salt, request.lora)
-            await pd.pull(request, hashes, kv)
 
     async def _stream(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:
         async with self.replica.engine.generate(request) as gen:

@@ -181,6 +181,18 @@ class PD:
                                 "a remote decode (kv_transfer_params.do_remote_decode).",
                            param="kv_transfer_params")
 
+    async def begin(self, request: GenRequest, params: dict[str, Any] | None) -> None:
+        """Before the engine: a prefill leg keeps its blocks when done; a decode leg pulls first.
+
+        Raises ``ApiError`` for a leg this role refuses, ``PullFailed`` under the "fail" policy."""
+        leg = leg_of(params)
+        self.check_leg(leg)
+        if leg == "prefill":
+            request.hold_blocks = True
+        elif leg == "decode" and params is not None:
+            await self.pull(request, self.pool.hash_prompt(request.prompt_tokens, request.cache_salt, request.lora),
+                            params)
+
     # -- prefill side ----------------------------------------------------------------------
     def finished(self, request: GenRequest, gen: Generation) -> dict[str, Any] | None:
         """The params a prefill returns, as ``request_finished`` builds them; holds the blocks."""

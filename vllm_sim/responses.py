@@ -29,9 +29,12 @@ from vllm_sim import wire
 from vllm_sim.asgi import Receive, Send, Sender, run_until_disconnect
 from vllm_sim.engine import GenRequest, PromptTooLong
 from vllm_sim.faults import Faults
-from vllm_sim.handlers import open_request
+from vllm_sim.handlers import PULL_FAILED, open_request
+from vllm_sim.pd import PullFailed
 from vllm_sim.priority import body_priority, header_priority
-from vllm_sim.protocol import GenerationParams, parse_json, prompt_tokens, resolve_max_tokens, resolve_model
+from vllm_sim.protocol import (
+    GenerationParams, kv_transfer_params, parse_json, prompt_tokens, resolve_max_tokens, resolve_model,
+)
 from vllm_sim.replica import Replica
 from vllm_sim.responses_wire import Shape, event, response_usage
 from vllm_sim.template import render_chat
@@ -58,6 +61,10 @@ class _Job:
     store: bool
     background: bool
     texts: list[str] = field(default_factory=list)
+    # P/D (vllm_sim.pd): the request carried kv_transfer_params, so the response echoes the
+    # connector's answer (the prefill's params, None on a decode).
+    echo_kv: bool = False
+    kv_params: dict[str, Any] | None = None
 
 
 def _part(p: Any) -> Any:
@@ -111,6 +118,9 @@ class ResponsesApi:
             job = await self._prepare(raw, faults, scope.get("headers") or ())
         except wire.ApiError as exc:
             await sender.json(exc.status, exc.body())
+            return
+        except PullFailed:
+            await sender.json(500, PULL_FAILED.body())
             return
         if job.background:
             queued = job.shape.response("queued")
@@ -167,13 +177,17 @@ class ResponsesApi:
         shape = Shape(rid, "msg_" + uuid.uuid4().hex, int(time.time()), model, body, limit)
         request = GenRequest(rid, tokens, max_tokens, 1, salt, hold_s=faults.stall_before_first_token_s,
                              lora=config.lora(model), priority=priority)
-        return _Job(request, shape, messages, params.stream, bool(store), background)
+        kv = kv_transfer_params(body)
+        await self.replica.pd.begin(request, kv)  # P/D legs (vllm_sim.pd)
+        return _Job(request, shape, messages, params.stream, bool(store), background, echo_kv=kv is not None)
 
     def _final(self, job: _Job, gen: Any) -> dict[str, Any]:
         usage = response_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
         cut = gen.finish_reasons[0] == "length"
         response = job.shape.response("incomplete" if cut else "completed", "".join(job.texts), usage,
                                       incomplete="max_output_tokens" if cut else None)
+        if job.echo_kv:
+            response["kv_transfer_params"] = job.kv_params
         if job.store:
             self.store[job.shape.rid] = _Stored(response, job.messages)
         return response
@@ -218,6 +232,7 @@ class ResponsesApi:
         async with self.replica.engine.generate(job.request) as gen:
             async for tok in gen:
                 job.texts.append(tok.text)
+            job.kv_params = self.replica.pd.finished(job.request, gen)
         body = orjson.dumps(self._final(job, gen))
         if faults.garbage:
             body = body[: len(body) // 2]
