@@ -108,6 +108,7 @@ def test_messages_through_the_three_steps_with_the_anthropic_sdk(fleet: PDStack,
 
 def test_responses_through_the_three_steps(fleet: PDStack, ref: PDSim) -> None:
     instructions = "You are terse. " * 20
+    before = _counts(fleet)
     before_requests = {n: fleet.requests(n) for n in PREFILLS}
     with openai.OpenAI(base_url=fleet.base_url, api_key="x", max_retries=0) as client:
         raw = client.responses.with_raw_response.create(model=MODEL, instructions=instructions,
@@ -126,10 +127,8 @@ def test_responses_through_the_three_steps(fleet: PDStack, ref: PDSim) -> None:
     assert follow.parse().status in ("completed", "incomplete")
     after = _counts(fleet)
     after_requests = {n: fleet.requests(n) for n in PREFILLS}
-    # The prefill leg went to a prefill replica. vllm_sim's /v1/responses does not return
-    # kv_transfer_params yet (vLLM 0.33's does: ResponsesResponse.kv_transfer_params), so kvgate
-    # fell back to a local prefill on the decode replica, and the answer is still right.
-    assert sum(after_requests[n] - before_requests[n] for n in PREFILLS) == 1
+    assert sum(after_requests[n] - before_requests[n] for n in PREFILLS) == 1  # one prefill leg, not stored
+    assert _delta(before, mid, "remote_prefills", PREFILLS) == 1 and _delta(before, mid, "transfers", DECODES) == 1
     assert _delta(mid, after, "remote_prefills", PREFILLS) == 0  # the pinned continuation: one leg
 
 
