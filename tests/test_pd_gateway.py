@@ -153,7 +153,9 @@ def _eventually(predicate: Any, timeout: float = 5.0) -> bool:
 
 def test_status_metrics_and_explain_show_the_pd_fleet(fleet: PDStack) -> None:
     with openai.OpenAI(base_url=fleet.base_url, api_key="x", max_retries=0) as client:
-        client.chat.completions.create(model=MODEL, messages=chat("observe me"), max_tokens=3)  # type: ignore[arg-type]
+        for _ in client.chat.completions.create(model=MODEL, messages=chat("observe me"), max_tokens=3,  # type: ignore
+                                                stream=True):
+            pass
         # The same prompt again: the prefill side's cache hit, on the prefill replica that holds it.
         client.chat.completions.create(model=MODEL, messages=chat("observe me"), max_tokens=3)  # type: ignore[arg-type]
     status = fleet.admin_get("/admin/status")
@@ -162,6 +164,8 @@ def test_status_metrics_and_explain_show_the_pd_fleet(fleet: PDStack) -> None:
     assert pd["legs"]["prefill"]["ok"] >= 2 and pd["legs"]["decode"]["ok"] >= 2
     assert pd["decisions"]["remote"] >= 2 and pd["transfer_tokens"] > 0
     assert 0 < pd["prefill_hit_ratio"] < 1
+    # A streamed decode leg's time to its first token over the tokens it pulled: the transfer's cost.
+    assert pd["learned"]["transfer_samples"] >= 1 and pd["learned"]["transfer_s_per_token"] > 0
     assert {row["name"]: row["role"] for row in status["replicas"]} == ROLES
     metrics = httpx.get(fleet.url + "/metrics", timeout=5).text
     for family in ("kvgate_pd_legs_total{", "kvgate_pd_decisions_total{", "kvgate_pd_prefill_tokens_total{",

@@ -220,6 +220,7 @@ class Disagg:
         self.decisions["remote" if decision.remote else "local", decision.reason] += 1
         tried: set[str] = set()
         prefilled: set[str] = set()  # prefill replicas whose params a decode replica failed on
+        budget = 0  # the pool's retry budget, held by a retried decode leg until its attempt ends
         for attempt_no in range(2):
             decode_call = call
             record.prefill, record.pulled = None, 0.0
@@ -229,8 +230,14 @@ class Disagg:
                     decode_call = _replace_payload(call, with_params(call.payload, params))
                     record.pulled = _pulled(terms, params)
             record.decode_sent_at = time.perf_counter()
-            attempt = await open_upstream(rt.pool, rt.policy, route, decode_call, rt.replica_keys, ctx.ticket,
-                                          roles=DECODE_ROLES, exclude=tried)
+            try:
+                attempt = await open_upstream(rt.pool, rt.policy, route, decode_call, rt.replica_keys, ctx.ticket,
+                                              roles=DECODE_ROLES, exclude=tried)
+            except BaseException:
+                for _ in range(budget):
+                    rt.pool.budget.release()
+                raise
+            attempt.budget_held += budget
             status = attempt.response.status_code
             if status < 500 or attempt_no == 1:
                 self._leg("decode", attempt.replica.name, status < 500)
@@ -241,13 +248,16 @@ class Disagg:
             # gives (kv_load_failure_policy "fail"), and the transfer may be what failed.
             err = await read_error_body(attempt.response, attempt.replica)
             self._leg("decode", attempt.replica.name, False)
+            await attempt.close()
+            # The failed placement's marks go (backlog, requests in flight); the route is picked again.
+            rt.policy.observe(route, RouteFeedback(attempt.replica.name, None, None, False))
+            if not rt.pool.budget.try_acquire(rt.pool.active_requests):
+                raise err  # retries are bounded fleet-wide (the pool's budget, as Envoy's)
+            budget = 1
             self._fallback("decode", "retry")
             tried.add(attempt.replica.name)
             if record.prefill is not None:
                 prefilled.add(record.prefill)
-            await attempt.close()
-            # The failed placement's marks go (backlog, requests in flight); the route is picked again.
-            rt.policy.observe(route, RouteFeedback(attempt.replica.name, None, None, False))
             log.warning("decode leg failed before its first byte; retrying elsewhere",
                         extra={"request_id": ctx.request_id, "replica": attempt.replica.name, "error": str(err)})
         raise AssertionError("unreachable")  # pragma: no cover
