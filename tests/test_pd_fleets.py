@@ -4,6 +4,7 @@ admission's slots per leg, ``kvgate check`` (gateway.proxy.disagg over vllm_sim.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -11,9 +12,13 @@ import openai
 import pytest
 
 from gateway.server.check import check_fleet
+from policies import cache_salt
+from routing.token_keys import block_keys
+from tests.support.kv_sims import token_prompt
 from tests.support.pd_sims import PDSim
 from tests.support.pd_stack import PDStack
 from tests.support.stack import MODEL
+from vllm_sim.tokenizer_dir import build_tokenizer_dir
 
 TENANTS = [{"name": "a", "api_keys": ["sk-a"]}, {"name": "b", "api_keys": ["sk-b"]}]
 
@@ -138,3 +143,33 @@ def test_kvgate_check_reports_each_replicas_role() -> None:
         assert checks[("b1", "role")].detail.startswith("both")
     finally:
         stack.close()
+
+
+def test_precise_mode_learns_the_prefill_leg_at_the_prefill_replica_and_the_pulled_blocks_at_the_decode(
+        tmp_path: Path) -> None:
+    tokenizer = build_tokenizer_dir(tmp_path / "model")
+    stack = PDStack({"p1": "prefill", "d1": "decode"}, events=True, routing={
+        "disaggregation": "always", "tokenizers": {MODEL: str(tokenizer)}})
+    try:
+        ids = token_prompt(29, 6)
+        with openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as client:
+            client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
+        kv = stack.runtime.kv_events
+        assert kv is not None
+        keys = block_keys(ids, 16, cache_salt("default", stack.settings.server_secret.get_secret_value()))
+
+        def held() -> dict[str, float]:
+            return dict(kv.index.held(keys, ["p1", "d1"]))
+
+        deadline = time.monotonic() + 10
+        while held() != {"p1": 6, "d1": 6} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # Both replicas' own events: the prefill computed the 6 full blocks, the decode pulled them.
+        assert held() == {"p1": 6, "d1": 6}
+        assert kv_stats(stack, "d1")["transfer_blocks"] == 7  # and the partial one
+    finally:
+        stack.close()
+
+
+def kv_stats(stack: PDStack, name: str) -> dict[str, int]:
+    return stack.sims[name].stats()["kv_transfer"]  # type: ignore[no-any-return]

@@ -28,13 +28,16 @@ ADMIN_TOKEN = "pd-admin-token"
 
 class PDStack:
     def __init__(self, roles: dict[str, str], *, sim: dict[str, Any] | None = None,
-                 per_sim: dict[str, dict[str, Any]] | None = None, **overrides: Any) -> None:
+                 per_sim: dict[str, dict[str, Any]] | None = None, events: bool = False, **overrides: Any) -> None:
+        """``events``: kvgate subscribes to every sim's KV events (precise mode, with a tokenizer)."""
         self.sims = {name: PDSim(name, role, **{**(sim or {}), **((per_sim or {}).get(name, {}))})
                      for name, role in roles.items()}
         for s in self.sims.values():
             s.__enter__()
         base: dict[str, Any] = {
-            "replicas": [{"name": n, "url": s.url, "role": roles[n]} for n, s in self.sims.items()],
+            "replicas": [{"name": n, "url": s.url, "role": roles[n],
+                          **({"kv_events": f"tcp://127.0.0.1:{s.pub}", "kv_events_replay": f"tcp://127.0.0.1:{s.replay}"}
+                             if events else {})} for n, s in self.sims.items()],
             "pool": {"health_interval_s": 60, "metrics_interval_s": 60}, "admin": {"token": ADMIN_TOKEN},
         }
         self.settings = load_settings(environ={}, overrides=_merge(base, overrides))
