@@ -277,17 +277,17 @@ class Disagg:
             try:
                 attempt = await open_upstream(rt.pool, rt.policy, proute, pcall, rt.replica_keys, ctx.ticket,
                                               roles=PREFILL_ROLES, exclude=tried)
-            except GatewayError as err:
+            except GatewayError as exc:
                 self._fallback("prefill", "local")
                 log.warning("no prefill replica took the leg; prefilling locally",
-                            extra={"request_id": ctx.request_id, "error": str(err)})
+                            extra={"request_id": ctx.request_id, "error": str(exc)})
                 return None
             replica = attempt.replica
             params, usage, answered, refused = None, None, False, False
             try:
                 if attempt.response.status_code != 200:
-                    err = await read_error_body(attempt.response, replica)
-                    raise err if attempt.response.status_code >= 500 else _Refused(str(err))
+                    failed = await read_error_body(attempt.response, replica)
+                    raise failed if attempt.response.status_code >= 500 else _Refused(str(failed))
                 _, obj = await read_whole(attempt.response, timeout_s=timeouts.first_byte_s)
                 answered = True
                 usage = leg.usage(obj)
