@@ -115,8 +115,9 @@ def test_a_mixed_fleet_serves_correctly_and_may_serve_a_request_whole_on_a_both_
             stack.close()
 
 
-def test_selective_keeps_a_follow_up_local_and_explains_why() -> None:
-    stack = PDStack({"p1": "prefill", "d1": "decode"})
+@pytest.mark.parametrize("policy", ["prefix_affinity", "ttft"])
+def test_selective_keeps_a_follow_up_local_and_explains_why(policy: str) -> None:
+    stack = PDStack({"p1": "prefill", "d1": "decode"}, routing={"policy": policy})
     try:
         messages = chat("What does the amber light mean?")
         ask(stack.base_url, "x", messages)
