@@ -138,3 +138,26 @@ def test_a_decode_replica_dying_mid_stream_gives_partial_output_then_an_error() 
         assert stack.runtime.disagg.fallbacks["decode", "retry"] == 0
     finally:
         stack.close()
+
+
+def test_a_decode_replica_killed_is_skipped_with_the_same_params(fleet: PDStack, ref: PDSim) -> None:
+    fleet.sims["d1"].server.stop()
+    for i in range(6):
+        messages = chat(f"d1 is gone {i}")
+        assert ask(fleet, messages) == expected(ref, messages)
+    # One prefill leg each: a refused connection did no work, so the params went on to d2.
+    assert pd(fleet, PREFILLS, "remote_prefills") == 6 and pd(fleet, ("d2",), "transfers") == 6
+
+
+def test_a_prefill_replica_that_times_out_falls_back_to_a_local_prefill() -> None:
+    with PDSim("ref3") as ref:
+        stack = PDStack({"p1": "prefill", "d1": "decode"}, routing={"disaggregation": "always"},
+                        timeouts={"first_byte_s": 0.5})
+        try:
+            stack.faults("p1", stall_before_first_token_s=3.0)
+            messages = chat("the prefill replica is slow")
+            assert ask(stack, messages, stream=False) == expected(ref, messages)
+            assert stack.runtime.disagg.fallbacks["prefill", "local"] == 1
+            assert pd(stack, ("d1",), "transfers") == 0
+        finally:
+            stack.close()
