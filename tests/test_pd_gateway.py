@@ -181,3 +181,4 @@ def test_status_metrics_and_explain_show_the_pd_fleet(fleet: PDStack) -> None:
     terms = set(pd_row["terms"])
     assert {"uncached_decode", "uncached_prefill", "rate_decode", "transfer_s_per_token", "leg_s"} <= terms
     assert {"local_s", "stall_s", "remote_s", "threshold", "headroom_s"} <= set(pd_row["figures"])
+

@@ -163,3 +163,11 @@ def test_with_params_splices_without_touching_the_rest() -> None:
     spliced = orjson.loads(with_params(orjson.dumps(body), {"a": 1}))
     assert spliced == {**body, "kv_transfer_params": {"a": 1}}
     assert orjson.loads(with_params(b"{}", {"a": 1})) == {"kv_transfer_params": {"a": 1}}
+
+
+def test_only_one_prompt_is_disaggregated() -> None:
+    # vLLM's completions answer a batch with the first prompt's params only (final_res_batch[0]).
+    assert COMPLETIONS_LEG.applies({"prompt": "one"}) and COMPLETIONS_LEG.applies({"prompt": [1, 2, 3]})
+    assert not COMPLETIONS_LEG.applies({"prompt": ["one", "two"]})
+    assert not COMPLETIONS_LEG.applies({"prompt": [[1, 2], [3]]})
+    assert CHAT_LEG.applies({"messages": []}) and MESSAGES_LEG.applies({}) and RESPONSES_LEG.applies({})

@@ -75,6 +75,8 @@ class LegShape:
     # a minimum output above the one token asked for).
     drop_fields: frozenset[str]
     usage: Callable[[dict[str, Any]], Usage | None]
+    # Whether a body can be disaggregated at all (one prompt: one set of params comes back).
+    applies: Callable[[Mapping[str, Any]], bool] = lambda body: True
 
     def body(self, upstream: Mapping[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in upstream.items() if k not in self.drop_fields}
@@ -89,9 +91,17 @@ def _openai_usage(obj: dict[str, Any]) -> Usage | None:
 
 CHAT_LEG = LegShape({"stream": False, "max_tokens": 1, "max_completion_tokens": 1},
                     frozenset({"stream_options", "min_tokens"}), _openai_usage)
+def _one_prompt(body: Mapping[str, Any]) -> bool:
+    """A completions body with one prompt: a text, or one list of token ids. vLLM answers a batch of
+    prompts with the first prompt's params only (``OpenAIServingCompletion``: ``final_res_batch[0]``),
+    so a batch is prefilled where it decodes."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+
+
 # vLLM's CompletionRequest has no max_completion_tokens.
 COMPLETIONS_LEG = LegShape({"stream": False, "max_tokens": 1}, frozenset({"stream_options", "min_tokens"}),
-                           _openai_usage)
+                           _openai_usage, _one_prompt)
 
 
 def with_params(payload: bytes, params: Mapping[str, Any]) -> bytes:

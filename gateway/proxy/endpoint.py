@@ -211,7 +211,7 @@ class ProxyEndpoint:
         rt = self.rt
         if rt.pool.disaggregated:
             leg = self.prefill_legs.get(self.endpoint)
-            if leg is not None:
+            if leg is not None and leg.applies(ctx.upstream):
                 return await rt.disagg.open(ctx, route, call, leg, ctx.upstream)
         return await open_upstream(self.rt.pool, self.rt.policy, route, call, self.rt.replica_keys, ctx.ticket)
 
