@@ -13,6 +13,7 @@ import time
 from typing import Any, Iterator
 
 import httpx
+import orjson
 import pytest
 
 from tests.support.kv_sims import token_prompt
@@ -236,3 +237,18 @@ def test_the_responses_route_carries_the_params_both_ways(pd: tuple[PDSim, ...])
     assert second["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
     assert second["kv_transfer_params"] is None
     assert d.stats()["kv_transfer"]["transfers"] == before + 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_streamed_prefill_leg_sends_the_params_on_its_last_chunk(pd: tuple[PDSim, ...], path: str) -> None:
+    p, d, plain = pd
+    body = chat("streamed prefill") if path == "/v1/chat/completions" else completion(token_prompt(21, 4))
+    first = {**prefill_body(body), "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", p.url + path, json=first, timeout=10) as r:
+        chunks = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(last) == 1 and all("kv_transfer_params" not in c for c in chunks if c is not last[0])
+    params = last[0]["kv_transfer_params"]
+    assert {k: type(v) for k, v in params.items()} == PARAM_TYPES
+    answer = post(d.url, path, decode_body(body, params)).json()
+    assert text_of(answer) == text_of(post(plain.url, path, body).json())
