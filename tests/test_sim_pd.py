@@ -252,3 +252,34 @@ def test_a_streamed_prefill_leg_sends_the_params_on_its_last_chunk(pd: tuple[PDS
     assert {k: type(v) for k, v in params.items()} == PARAM_TYPES
     answer = post(d.url, path, decode_body(body, params)).json()
     assert text_of(answer) == text_of(post(plain.url, path, body).json())
+
+
+def test_local_blocks_evicted_before_admission_count_as_pulled_not_computed() -> None:
+    """vLLM picks local or remote when it admits the request; the simulator pulls on arrival, so
+    local blocks evicted in between are counted as pulled at admission (as vLLM would pull them)."""
+    import asyncio
+
+    from vllm_sim.engine import Engine, GenRequest, RemoteLoad
+    from vllm_sim.kv import KVPool
+    from vllm_sim.timing import TimingModel
+
+    ids = token_prompt(31, 4)
+    late: list[int] = []
+
+    async def run() -> tuple[int, float]:
+        engine = Engine(KVPool(64, BS), TimingModel(time_scale=0))
+        async with engine.generate(GenRequest("warm", ids[: 3 * BS + 1], 1)) as gen:
+            async for _ in gen:
+                pass
+        local = engine.pool.match(engine.pool.hash_prompt(ids)) * BS  # 3 blocks held at "arrival"
+        engine.pool.clear()  # evicted before admission
+        before = engine.stats.prefill_computed_tokens.sum
+        request = GenRequest("d", ids, 2, remote=RemoteLoad(local, None, late.append))
+        async with engine.generate(request) as gen:
+            async for _ in gen:
+                pass
+        await engine.aclose()
+        return local, engine.stats.prefill_computed_tokens.sum - before
+
+    local, computed = asyncio.run(run())
+    assert local == 3 * BS and late == [3 * BS] and computed == 0

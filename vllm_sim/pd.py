@@ -296,7 +296,13 @@ class PD:
             self.stats.transfer_tokens += count
             await asyncio.sleep(self.timing.transfer_time(count))
         cached = params.get("remote_prefill_cached_tokens")
-        request.remote = RemoteLoad(local_tokens, cached if isinstance(cached, int) else None)
+        request.remote = RemoteLoad(local_tokens, cached if isinstance(cached, int) else None, self._pulled_late)
+
+    def _pulled_late(self, tokens: int) -> None:
+        # Local blocks evicted before admission: vLLM, deciding at admission, would have pulled them.
+        self.stats.transfer_tokens += tokens
+        self.stats.external_queries += tokens
+        self.stats.external_hits += tokens
 
     async def _read(self, params: dict[str, Any], block_ids: list[int]) -> int:
         url = f"http://{params['remote_host']}:{params['remote_port']}/sim/nixl/read"
