@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import httpx
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.kv_sims import token_prompt
 from tests.support.pd_sims import REMOTE_DECODE, PDSim, decode_body, prefill_body
@@ -108,8 +109,18 @@ def test_the_decode_answers_as_a_plain_replica_would_from_pulled_blocks(pd: tupl
         first["kv_transfer_params"]["remote_prefill_cached_tokens"]
     # Its KV events store the pulled blocks (every full one), as vLLM caches loaded blocks.
     assert sum(map(len, d.stored_token_ids())) - stored_before == prompt // BS * BS
-    metrics = httpx.get(d.url + "/metrics", timeout=5).text
-    assert "vllm_sim:kv_transfer_blocks_total" in metrics and "vllm:external_prefix_cache_hits_total" in metrics
+    # /metrics says the same, in vLLM's names where it has them.
+    metrics = scrape(d)
+    assert metrics["vllm_sim:kv_transfer_blocks_total"] == after_d["kv_transfer"]["transfer_blocks"]
+    assert metrics["vllm:external_prefix_cache_hits_total"] == after_d["kv_transfer"]["external_hits"]
+    assert metrics["vllm:nixl_xfer_time_seconds_count"] == after_d["kv_transfer"]["transfers"]
+    assert scrape(p)["vllm_sim:kv_remote_prefills_total"] == after_p["kv_transfer"]["remote_prefills"]
+
+
+def scrape(sim: PDSim) -> dict[str, float]:
+    text = httpx.get(sim.url + "/metrics", timeout=5).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if "le" not in s.labels}
 
 
 def test_blocks_the_decode_holds_are_not_pulled_again(pd: tuple[PDSim, ...]) -> None:
