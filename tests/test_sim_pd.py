@@ -294,3 +294,34 @@ def test_local_blocks_evicted_before_admission_count_as_pulled_not_computed() ->
 
     local, computed = asyncio.run(run())
     assert local == 3 * BS and late == [3 * BS] and computed == 0
+
+
+def test_the_p_d_flags_reach_the_config() -> None:
+    import argparse
+
+    from vllm_sim.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args([
+        "--role", "decode", "--engine-id", "e-1", "--side-channel-host", "10.0.0.2", "--side-channel-port", "7000",
+        "--kv-lease-s", "5", "--kv-load-failure-policy", "recompute", "--kv-transfer-s-per-token", "0.001"]))
+    assert (config.role, config.engine_id, config.side_channel_host, config.side_channel_port) == \
+        ("decode", "e-1", "10.0.0.2", 7000)
+    assert (config.kv_lease_s, config.kv_load_failure_policy, config.timing.kv_transfer_s_per_token) == \
+        (5.0, "recompute", 0.001)
+    defaults = config_from_args(parser.parse_args([]))
+    assert (defaults.role, defaults.kv_load_failure_policy, defaults.kv_lease_s) == ("both", "fail", 30.0)
+
+
+def test_an_aborted_prefill_leg_frees_its_blocks_and_returns_nothing() -> None:
+    """vLLM's request_finished frees an aborted request's blocks at once (no params, nothing held)."""
+    with PDSim("p4", "prefill", time_scale=1.0) as p:
+        body = {**prefill_body(chat("left early")), "max_tokens": 400, "max_completion_tokens": 400}  # ~4 s of decode
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(p.url + "/v1/chat/completions", json=body, timeout=0.5)
+        wait_for(lambda: p.stats()["aborted"] == 1)
+        stats = p.stats()
+        assert stats["engine_requests"] == 1
+        assert stats["kv_held_requests"] == 0 and stats["kv_transfer"]["remote_prefills"] == 0
+        assert stats["kv_cache_usage_perc"] == 0.0 and stats["num_cached_blocks"] > 0  # prefilled, then freed
