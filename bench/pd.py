@@ -9,8 +9,9 @@ requests (``bench.routing_e2e``'s client and workloads), and prints:
 * TTFT p50 and p95 and inter-token latency p99, as the client measured them;
 * the prefill hit ratio, from the prefill replicas' own ``vllm:prefix_cache_*``
   counters (the replicas that prefilled, for the ``direct`` row);
-* the requests each replica's engine took (prefills, then decodes), and the prompt
-  tokens the decodes pulled;
+* the requests each replica's engine took (prefills, then decodes), the prompt tokens
+  the decodes pulled, and those they prefilled themselves (a row that keeps some
+  requests local, or a pull that failed and was recomputed);
 * errors, and wrong answers: each answer compared with what a plain ``--role both``
   simulator answers to the same body (the simulator's replies are deterministic; a
   decode that read expired KV answers otherwise, as vLLM would).
@@ -153,9 +154,11 @@ def _q(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(p * len(values)))] if values else float("nan")
 
 
-def _pulled_tokens(sims: list[Sim]) -> int:
-    return sum(int(httpx.get(s.url + "/sim/stats", timeout=5).json()["kv_transfer"]["transfer_tokens"])
-               for s in sims)
+def _decode_tokens(sims: list[Sim]) -> tuple[int, int]:
+    """Prompt tokens the decode replicas pulled, and those they computed."""
+    stats = [httpx.get(s.url + "/sim/stats", timeout=5).json() for s in sims]
+    return (sum(int(st["kv_transfer"]["transfer_tokens"]) for st in stats),
+            sum(int(st["prefill_computed_tokens_sum"]) for st in stats))
 
 
 async def run_row(name: str, fleet: Fleet, workload: Workload, bodies: dict[int, dict[str, Any]],
@@ -182,15 +185,17 @@ async def run_row(name: str, fleet: Fleet, workload: Workload, bodies: dict[int,
 def _summary(name: str, results: list[Result], route: Route, wall: float) -> dict[str, Any]:
     ok = [r for r in results if r.usage is not None]
     itls = [gap for r in ok for gap in (r.usage.itl_s if r.usage else [])]
+    pulled, computed = _decode_tokens(route.decode)
     return {**summarise(results), "row": name, "wall_s": wall, "itl_p99_s": _q(itls, 0.99),
             "prefill_hit_ratio": fleet_ratio([s.url for s in route.prefill]),
             "prefill_requests": request_counts(route.prefill), "decode_requests": request_counts(route.decode),
-            "pulled_tokens": _pulled_tokens(route.decode),
+            "pulled_tokens": pulled, "decode_computed_tokens": computed,
             "texts": {r.rid: r.usage.text for r in ok if r.usage is not None}}
 
 
 HEADER = (f"{'row':<14}{'ttft p50':>10}{'ttft p95':>10}{'itl p99':>10}{'prefill hit':>13}"
-          f"  {'prefill reqs':<14}{'decode reqs':<14}{'pulled tok':>11}{'errors':>8}{'wrong':>7}{'wall':>7}")
+          f"  {'prefill reqs':<14}{'decode reqs':<14}{'pulled tok':>11}{'D computed':>11}{'errors':>8}{'wrong':>7}"
+          f"{'wall':>7}")
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -199,7 +204,8 @@ def _line(r: dict[str, Any]) -> str:
 
     return (f"{r['row']:<14}{ms(r['ttft_p50_s'])}{ms(r['ttft_p95_s'])}{ms(r['itl_p99_s'])}"
             f"{r['prefill_hit_ratio']:>13.3f}  {'/'.join(map(str, r['prefill_requests'])):<14}"
-            f"{'/'.join(map(str, r['decode_requests'])) or '-':<14}{r['pulled_tokens']:>11}"
+            f"{'/'.join(map(str, r['decode_requests'])) or '-':<14}"
+            f"{r['pulled_tokens']:>11}{r['decode_computed_tokens']:>11}"
             f"{r['errors']:>8}{r['wrong']:>7}{r['wall_s']:>6.1f}s")
 
 
@@ -243,7 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool-ratio", type=float, default=DEFAULT_RATIO)
     p.add_argument("--kv-tokens", type=int, default=0, help="KV pool per replica in tokens (overrides --pool-ratio)")
     p.add_argument("--kv-transfer-s-per-token", type=float, default=TRANSFER_S_PER_TOKEN)
-    p.add_argument("--time-scale", type=float, default=1.0, help="the replicas' --time-scale")
+    p.add_argument("--time-scale", type=float, default=0.5,
+                   help="the replicas' --time-scale (0.5: a row of 160 requests in about 15 s)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="pd.json goes here")
     args = p.parse_args(argv)
     unknown = [r for r in args.rows if r not in ROWS]

@@ -13,7 +13,9 @@ import time
 from typing import Any, Iterator
 
 import httpx
+import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.kv_sims import token_prompt
 from tests.support.pd_sims import REMOTE_DECODE, PDSim, decode_body, prefill_body
@@ -107,8 +109,18 @@ def test_the_decode_answers_as_a_plain_replica_would_from_pulled_blocks(pd: tupl
         first["kv_transfer_params"]["remote_prefill_cached_tokens"]
     # Its KV events store the pulled blocks (every full one), as vLLM caches loaded blocks.
     assert sum(map(len, d.stored_token_ids())) - stored_before == prompt // BS * BS
-    metrics = httpx.get(d.url + "/metrics", timeout=5).text
-    assert "vllm_sim:kv_transfer_blocks_total" in metrics and "vllm:external_prefix_cache_hits_total" in metrics
+    # /metrics says the same, in vLLM's names where it has them.
+    metrics = scrape(d)
+    assert metrics["vllm_sim:kv_transfer_blocks_total"] == after_d["kv_transfer"]["transfer_blocks"]
+    assert metrics["vllm:external_prefix_cache_hits_total"] == after_d["kv_transfer"]["external_hits"]
+    assert metrics["vllm:nixl_xfer_time_seconds_count"] == after_d["kv_transfer"]["transfers"]
+    assert scrape(p)["vllm_sim:kv_remote_prefills_total"] == after_p["kv_transfer"]["remote_prefills"]
+
+
+def scrape(sim: PDSim) -> dict[str, float]:
+    text = httpx.get(sim.url + "/metrics", timeout=5).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if "le" not in s.labels}
 
 
 def test_blocks_the_decode_holds_are_not_pulled_again(pd: tuple[PDSim, ...]) -> None:
@@ -236,3 +248,80 @@ def test_the_responses_route_carries_the_params_both_ways(pd: tuple[PDSim, ...])
     assert second["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
     assert second["kv_transfer_params"] is None
     assert d.stats()["kv_transfer"]["transfers"] == before + 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_streamed_prefill_leg_sends_the_params_on_its_last_chunk(pd: tuple[PDSim, ...], path: str) -> None:
+    p, d, plain = pd
+    body = chat("streamed prefill") if path == "/v1/chat/completions" else completion(token_prompt(21, 4))
+    first = {**prefill_body(body), "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", p.url + path, json=first, timeout=10) as r:
+        chunks = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(last) == 1 and all("kv_transfer_params" not in c for c in chunks if c is not last[0])
+    params = last[0]["kv_transfer_params"]
+    assert {k: type(v) for k, v in params.items()} == PARAM_TYPES
+    answer = post(d.url, path, decode_body(body, params)).json()
+    assert text_of(answer) == text_of(post(plain.url, path, body).json())
+
+
+def test_local_blocks_evicted_before_admission_count_as_pulled_not_computed() -> None:
+    """vLLM picks local or remote when it admits the request; the simulator pulls on arrival, so
+    local blocks evicted in between are counted as pulled at admission (as vLLM would pull them)."""
+    import asyncio
+
+    from vllm_sim.engine import Engine, GenRequest, RemoteLoad
+    from vllm_sim.kv import KVPool
+    from vllm_sim.timing import TimingModel
+
+    ids = token_prompt(31, 4)
+    late: list[int] = []
+
+    async def run() -> tuple[int, float]:
+        engine = Engine(KVPool(64, BS), TimingModel(time_scale=0))
+        async with engine.generate(GenRequest("warm", ids[: 3 * BS + 1], 1)) as gen:
+            async for _ in gen:
+                pass
+        local = engine.pool.match(engine.pool.hash_prompt(ids)) * BS  # 3 blocks held at "arrival"
+        engine.pool.clear()  # evicted before admission
+        before = engine.stats.prefill_computed_tokens.sum
+        request = GenRequest("d", ids, 2, remote=RemoteLoad(local, None, late.append))
+        async with engine.generate(request) as gen:
+            async for _ in gen:
+                pass
+        await engine.aclose()
+        return local, engine.stats.prefill_computed_tokens.sum - before
+
+    local, computed = asyncio.run(run())
+    assert local == 3 * BS and late == [3 * BS] and computed == 0
+
+
+def test_the_p_d_flags_reach_the_config() -> None:
+    import argparse
+
+    from vllm_sim.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args([
+        "--role", "decode", "--engine-id", "e-1", "--side-channel-host", "10.0.0.2", "--side-channel-port", "7000",
+        "--kv-lease-s", "5", "--kv-load-failure-policy", "recompute", "--kv-transfer-s-per-token", "0.001"]))
+    assert (config.role, config.engine_id, config.side_channel_host, config.side_channel_port) == \
+        ("decode", "e-1", "10.0.0.2", 7000)
+    assert (config.kv_lease_s, config.kv_load_failure_policy, config.timing.kv_transfer_s_per_token) == \
+        (5.0, "recompute", 0.001)
+    defaults = config_from_args(parser.parse_args([]))
+    assert (defaults.role, defaults.kv_load_failure_policy, defaults.kv_lease_s) == ("both", "fail", 30.0)
+
+
+def test_an_aborted_prefill_leg_frees_its_blocks_and_returns_nothing() -> None:
+    """vLLM's request_finished frees an aborted request's blocks at once (no params, nothing held)."""
+    with PDSim("p4", "prefill", time_scale=1.0) as p:
+        body = {**prefill_body(chat("left early")), "max_tokens": 400, "max_completion_tokens": 400}  # ~4 s of decode
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(p.url + "/v1/chat/completions", json=body, timeout=0.5)
+        wait_for(lambda: p.stats()["aborted"] == 1)
+        stats = p.stats()
+        assert stats["engine_requests"] == 1
+        assert stats["kv_held_requests"] == 0 and stats["kv_transfer"]["remote_prefills"] == 0
+        assert stats["kv_cache_usage_perc"] == 0.0 and stats["num_cached_blocks"] > 0  # prefilled, then freed

@@ -9,7 +9,9 @@ Layers, each usable on its own:
 - ``engine``: continuous batching over those blocks in scaled real time (asyncio);
 - ``server``: vLLM's OpenAI endpoints, ``/metrics`` and a ``/sim/*`` control plane
   (faults, stats, reset) over one engine;
-- ``cli`` / ``__main__`` / ``process``: run it as a process.
+- ``cli`` / ``__main__`` / ``process``: run it as a process;
+- ``pd``: vLLM's P/D disaggregation (NixlConnector, pull mode) between replicas in
+  prefill and decode roles (``--role``), the KV pulled over a side channel.
 
 The simulator deliberately shares no code with kvgate (its hashing is blake2b and
 crc32, not xxhash), so the gateway cannot pass a test by agreeing with itself.

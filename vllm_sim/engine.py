@@ -66,16 +66,19 @@ class PromptTooLong(ValueError):
 class RemoteLoad:
     """A decode request whose prompt KV was pulled from a prefill replica (vllm_sim.pd).
 
-    vLLM's scheduler takes the local prefix hit first, and the connector loads the rest
-    of the prompt (``get_num_new_matched_tokens``: prompt tokens minus the local hit), so
-    nothing of the prompt is computed here unless the local blocks counted at arrival were
-    evicted before admission."""
+    vLLM's scheduler takes the local prefix hit when it admits the request, and the
+    connector loads the rest of the prompt (``get_num_new_matched_tokens``: prompt tokens
+    minus the local hit), so nothing of the prompt is computed here. The simulator pulls
+    on arrival: local blocks evicted between arrival and admission are pulled then, as
+    vLLM would have pulled them (``late``), not computed."""
 
     # Prompt tokens the replica held itself when the request arrived (not pulled).
     local_tokens: int
     # The prefill's own cache hit, ``remote_prefill_cached_tokens`` in the params: vLLM
     # reports it as the decode's cached_tokens (OutputProcessor) instead of its own.
     cached_report: int | None = None
+    # Told the tokens pulled at admission (local blocks evicted since arrival).
+    late: Callable[[int], None] | None = None
 
 
 @dataclass(slots=True)
@@ -419,11 +422,14 @@ class Engine:
             remote = gen.request.remote
             cached = allocation.cached_tokens
             if remote is not None and not resumed:
-                # The rest of the prompt was pulled: only local blocks evicted since arrival
-                # are computed. vLLM counts local + pulled tokens as cached (PrefillStats),
-                # unless the prefill's own hit came along in the params.
-                computed = max(0, remote.local_tokens - allocation.cached_tokens)
-                cached = gen.prompt_tokens - computed if remote.cached_report is None else remote.cached_report
+                # The rest of the prompt was pulled: none of it is computed. vLLM counts local
+                # + pulled tokens as cached (PrefillStats), unless the prefill's own hit came
+                # along in the params.
+                evicted = max(0, remote.local_tokens - allocation.cached_tokens)
+                if evicted and remote.late is not None:
+                    remote.late(evicted)
+                computed = 0
+                cached = gen.prompt_tokens if remote.cached_report is None else remote.cached_report
             uncached += computed
             if resumed:
                 # vLLM's prefill statistics keep the first scheduling, not the repeats.

@@ -76,6 +76,13 @@ class _Format:
         return wire.completion_chunk(self.rid, self.created, self.model, ev.index, ev.text,
                                      ev.finish_reason, self.with_usage)
 
+    def last_token(self, ev: TokenEvent, kv_params: dict[str, Any]) -> bytes:
+        """The chunk with the finish reason, carrying a prefill's ``kv_transfer_params`` as vLLM's
+        chat and completions streams do."""
+        chunk = orjson.loads(self.token(ev)[len(b"data: "):])
+        chunk["kv_transfer_params"] = kv_params
+        return wire.sse(chunk)
+
     def usage_event(self, gen: Generation) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return wire.usage_chunk(self.rid, self.created, self.model, obj, _usage(gen))
@@ -185,7 +192,9 @@ class GenerationEndpoint:
             async for ev in gen:
                 if faults.die_after_tokens is not None and sent >= faults.die_after_tokens:
                     return  # leaving mid-body makes uvicorn close the connection: no [DONE]
-                await sender.body(opening + fmt.token(ev))
+                # P/D: a prefill leg's blocks are held, and its params sent, with the last token.
+                kv = self.replica.pd.finished(request, gen) if ev.finish_reason and gen.finished else None
+                await sender.body(opening + (fmt.token(ev) if kv is None else fmt.last_token(ev, kv)))
                 opening = b""
                 sent += 1
                 if faults.garbage and sent == 1:
@@ -194,8 +203,6 @@ class GenerationEndpoint:
                     await asyncio.sleep(faults.stall_mid_stream_s)
             if opening:
                 await sender.body(opening)
-            # Streamed, the blocks are held all the same (vLLM sends the params on the final chunk).
-            self.replica.pd.finished(request, gen)
             await sender.body(fmt.closing(gen), more=False)
 
     async def _unary(self, sender: Sender, request: GenRequest, fmt: _Format, faults: Faults) -> None:

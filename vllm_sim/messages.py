@@ -217,6 +217,10 @@ class _MessagesFormat(_Format):
     def token(self, ev: TokenEvent) -> bytes:
         return _event("content_block_delta", {"delta": {"type": "text_delta", "text": ev.text}, "index": 0})
 
+    def last_token(self, ev: TokenEvent, kv_params: dict[str, Any]) -> bytes:
+        # A streamed prefill leg's params are not sent here (the blocks are held all the same).
+        return self.token(ev)
+
     def closing(self, gen: Generation) -> bytes:
         return b"".join((
             _event("content_block_stop", {"index": 0}),

@@ -14,7 +14,7 @@ from prometheus_client.utils import floatToGoString
 
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import Engine
-from vllm_sim.pd import PDStats
+from vllm_sim.pd import PD
 from vllm_sim.stats import Histogram
 
 __all__ = ["CONTENT_TYPE", "render_metrics"]
@@ -52,7 +52,7 @@ def _histogram(lines: list[str], name: str, help_: str, labels: Mapping[str, obj
     lines.append(f"{name}_sum{_labels(labels)} {float(hist.sum)!r}")
 
 
-def render_metrics(config: SimConfig, engine: Engine, pd: PDStats | None = None, held: int = 0) -> str:
+def render_metrics(config: SimConfig, engine: Engine, pd: PD | None = None) -> str:
     base = {"engine": "0", "model_name": config.model}
     pool, stats = engine.pool, engine.stats
     running, waiting = engine.reported
@@ -97,34 +97,38 @@ def render_metrics(config: SimConfig, engine: Engine, pd: PDStats | None = None,
     _histogram(lines, "vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
                base, stats.request_preemptions)
     if pd is not None:
-        _pd_metrics(lines, base, pd, held)
+        _pd_metrics(lines, base, pd)
     return "\n".join(lines) + "\n"
 
 
-def _pd_metrics(lines: list[str], base: Mapping[str, object], pd: PDStats, held: int) -> None:
+def _pd_metrics(lines: list[str], base: Mapping[str, object], pd: PD) -> None:
     """P/D transfers (vllm_sim.pd): vLLM's NIXL and connector counters where it has them
     (``nixl/stats.py``, ``v1/metrics/loggers.py``), ``vllm_sim:`` ones for what it has not."""
     def counter(name: str, help_: str, value: int) -> None:
         _family(lines, name, "counter", help_, [(base, value)])
 
+    stats = pd.stats
+
     counter("vllm:external_prefix_cache_queries_total",
             "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
-            "number of queried tokens.", pd.external_queries)
+            "number of queried tokens.", stats.external_queries)
     counter("vllm:external_prefix_cache_hits_total",
             "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
-            "number of cached tokens.", pd.external_hits)
+            "number of cached tokens.", stats.external_hits)
     counter("vllm:nixl_num_failed_transfers_total", "Number of failed NIXL KV Cache transfers.",
-            pd.failed_transfers)
+            stats.failed_transfers)
     counter("vllm:nixl_num_kv_expired_reqs_total", "Number of requests that had their KV expire.",
-            pd.kv_expired_reqs)
+            stats.kv_expired_reqs)
     counter("vllm:nixl_num_notifications_after_expiry_total",
             "Number of completion notifications for requests that were no longer tracked.",
-            pd.notifications_after_expiry)
+            stats.notifications_after_expiry)
     counter("vllm_sim:kv_transfers_total", "Pulls of KV blocks from a prefill replica that moved blocks.",
-            pd.transfers)
-    counter("vllm_sim:kv_transfer_blocks_total", "KV blocks pulled from prefill replicas.", pd.transfer_blocks)
+            stats.transfers)
+    counter("vllm_sim:kv_transfer_blocks_total", "KV blocks pulled from prefill replicas.", stats.transfer_blocks)
     counter("vllm_sim:kv_transfer_tokens_total", "Prompt tokens whose KV was pulled from prefill replicas.",
-            pd.transfer_tokens)
-    counter("vllm_sim:kv_remote_prefills_total", "Requests prefilled for a remote decode.", pd.remote_prefills)
+            stats.transfer_tokens)
+    counter("vllm_sim:kv_remote_prefills_total", "Requests prefilled for a remote decode.", stats.remote_prefills)
     _family(lines, "vllm_sim:kv_held_requests", "gauge",
-            "Finished prefills whose blocks are held for a decode to pull.", [(base, held)])
+            "Finished prefills whose blocks are held for a decode to pull.", [(base, pd.held_requests)])
+    _histogram(lines, "vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
+               base, pd.xfer_seconds)

@@ -32,6 +32,10 @@ What vLLM 0.33 does, and where (paths under ``vllm/``):
   then it frees them and counts ``vllm:nixl_num_kv_expired_reqs``
   (``base_worker.py``, ``_reap_expired_send_leases``). (A decode that has the request
   queued renews the lease by heartbeats; here the decode pulls on arrival, so none.)
+- The decode pulls when its scheduler admits the request (it allocates the blocks, then
+  waits in WAITING_FOR_REMOTE_KVS while they arrive). The simulator pulls when the request
+  arrives, before it queues; local blocks evicted in between are counted as pulled at
+  admission (``RemoteLoad.late``), so none of a remote prefill's prompt is computed here.
 - The decode asks the connector for the prompt tokens beyond its own block-aligned
   prefix hit (``get_num_new_matched_tokens``: ``len(prompt) - num_computed_tokens``), so
   only the blocks it lacks move; a full local hit pulls nothing but still tells the
@@ -55,7 +59,13 @@ What vLLM 0.33 does, and where (paths under ``vllm/``):
 - The decode's ``cached_tokens`` is the prefill's ``remote_prefill_cached_tokens`` when
   the params carry it (``v1/engine/output_processor.py``), else local plus pulled
   tokens. Pulled tokens count in ``vllm:external_prefix_cache_queries``/``_hits``, the
-  local hit in ``vllm:prefix_cache_*``.
+  local hit in ``vllm:prefix_cache_*``; each pull's duration in
+  ``vllm:nixl_xfer_time_seconds``. The ``vllm_sim:kv_*`` series (transfers, blocks and
+  tokens pulled, remote prefills, blocks held) have no vLLM counterpart.
+
+Not modelled: tensor, pipeline or decode-context parallelism (``tp_size`` and the others
+are 1), heartbeats, the push mode (``NixlPushConnector``), bidirectional transfers, and the
+prefill's trailing-token backoff (0 for plain attention models).
 
 Roles (``--role``): "both" accepts both kinds of params, as vLLM's ``kv_both``; "prefill"
 refuses ``do_remote_prefill`` and "decode" refuses ``do_remote_decode`` with a 400, where a
@@ -76,6 +86,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import httpx
 
 from vllm_sim.engine import GenRequest, Generation, RemoteLoad
+from vllm_sim.stats import Histogram
 from vllm_sim.wire import ApiError
 
 if TYPE_CHECKING:
@@ -83,7 +94,7 @@ if TYPE_CHECKING:
     from vllm_sim.kv import Allocation, KVPool
     from vllm_sim.timing import TimingModel
 
-__all__ = ["PD", "PDStats", "PullFailed", "Leg", "leg_of", "REMOTE_KEYS"]
+__all__ = ["PD", "PDStats", "PullFailed", "Leg", "leg_of", "REMOTE_KEYS", "XFER_TIME_BUCKETS"]
 
 log = logging.getLogger("vllm_sim.pd")
 
@@ -93,6 +104,8 @@ Leg = Literal["prefill", "decode"]
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 # The side channel's answer for a request whose blocks are gone (reused, or never held).
 _GONE = 410
+# vllm:nixl_xfer_time_seconds's bounds (nixl/stats.py, NixlPromMetrics).
+XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 # Expired requests remembered, so a late read can tell whether their blocks were reused.
 _EXPIRED_KEPT = 1024
 
@@ -153,6 +166,8 @@ class PD:
         self.role = config.role
         self.engine_id = config.engine_id or str(uuid.uuid4())
         self.stats = PDStats()
+        # Each pull's duration (scaled seconds), as vllm:nixl_xfer_time_seconds.
+        self.xfer_seconds = Histogram(XFER_TIME_BUCKETS)
         self._held: dict[str, _Held] = {}
         self._expired: OrderedDict[str, list[bytes]] = OrderedDict()
         # Block ids for the params: the simulator's blocks have hashes, not addresses.
@@ -294,9 +309,17 @@ class PD:
             self.stats.transfers += 1
             self.stats.transfer_blocks += len(to_pull)
             self.stats.transfer_tokens += count
-            await asyncio.sleep(self.timing.transfer_time(count))
+            seconds = self.timing.transfer_time(count)
+            self.xfer_seconds.observe(seconds)
+            await asyncio.sleep(seconds)
         cached = params.get("remote_prefill_cached_tokens")
-        request.remote = RemoteLoad(local_tokens, cached if isinstance(cached, int) else None)
+        request.remote = RemoteLoad(local_tokens, cached if isinstance(cached, int) else None, self._pulled_late)
+
+    def _pulled_late(self, tokens: int) -> None:
+        # Local blocks evicted before admission: vLLM, deciding at admission, would have pulled them.
+        self.stats.transfer_tokens += tokens
+        self.stats.external_queries += tokens
+        self.stats.external_hits += tokens
 
     async def _read(self, params: dict[str, Any], block_ids: list[int]) -> int:
         url = f"http://{params['remote_host']}:{params['remote_port']}/sim/nixl/read"
@@ -314,6 +337,7 @@ class PD:
     # -- life cycle ------------------------------------------------------------------------
     def reset_stats(self) -> None:
         self.stats = PDStats()
+        self.xfer_seconds = Histogram(XFER_TIME_BUCKETS)
 
     async def aclose(self) -> None:
         for held in self._held.values():

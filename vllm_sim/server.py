@@ -101,7 +101,7 @@ def _routes(replica: Replica) -> list[Route]:
             return _json(exc.body(), exc.status)
 
     async def metrics(request: Request) -> Response:
-        text = render_metrics(config, replica.engine, replica.pd.stats, replica.pd.held_requests)
+        text = render_metrics(config, replica.engine, replica.pd)
         return Response(text, headers={"content-type": CONTENT_TYPE.decode()})
 
     async def get_faults(request: Request) -> Response:
