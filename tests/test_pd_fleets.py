@@ -4,6 +4,7 @@ admission's slots per leg, ``kvgate check`` (gateway.proxy.disagg over vllm_sim.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -73,8 +74,9 @@ def test_each_tenants_salt_is_on_both_legs(salted: PDStack) -> None:
 def test_admissions_slots_are_each_legs_and_all_come_back(salted: PDStack) -> None:
     rt = salted.runtime
     assert rt.admission.active
-    for i in range(3):
-        ask(salted.base_url, "sk-b", chat(f"slot {i}"))
+    # Concurrent requests of both tenants, each holding a slot per leg in turn.
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: ask(salted.base_url, ("sk-a", "sk-b")[i % 2], chat(f"slot {i}")), range(16)))
 
     def settled() -> bool:
         # The client has its last byte a moment before the relay closes the upstream and lets go.
