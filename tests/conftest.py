@@ -71,11 +71,13 @@ def minilm() -> Any:
     return shared_minilm()
 
 
-# The test files that use vLLM's own code (its interpreter or its render server).
-_VLLM_FIXTURES = ("vllm_worker", "vllm_render", "vllm_tokdir")
-_VLLM_FILES = frozenset(
-    f"tests/{p.name}" for p in Path(__file__).parent.glob("test_*.py")
-    if any(name in p.read_text(encoding="utf-8") for name in _VLLM_FIXTURES))
+# The test files that use vLLM's own code (its interpreter or its render server), and those that
+# start processes of their own (a kvgate, a fleet, a CLI): seconds each, however few their tests.
+_TEST_TEXTS = {f"tests/{p.name}": p.read_text(encoding="utf-8") for p in Path(__file__).parent.glob("test_*.py")}
+_VLLM_FILES = frozenset(f for f, text in _TEST_TEXTS.items()
+                        if any(name in text for name in ("vllm_worker", "vllm_render", "vllm_tokdir")))
+_PROCESS_FILES = frozenset(f for f, text in _TEST_TEXTS.items()
+                           if any(call in text for call in ("start_kvgate(", "start_fleet(", "subprocess.", "Popen")))
 
 
 try:
@@ -88,9 +90,22 @@ else:
         vLLM go to one worker together: starting vLLM's interpreter and render server costs about 30
         CPU-seconds, paid once rather than once per worker."""
 
+        _ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return "vllm" if path in _VLLM_FILES else path
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # Longest first, so no long file starts last while the other worker idles: vLLM's
+            # files and those that start processes, then the rest by their number of tests.
+            if not self._ordered:
+                self._ordered = True
+                units = sorted(self.workqueue.items(),
+                               key=lambda unit: (unit[0] != "vllm", unit[0] not in _PROCESS_FILES, -len(unit[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         if config.getoption("dist") == "loadfile":
