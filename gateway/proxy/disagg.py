@@ -20,12 +20,19 @@ a request whose decode replica already holds most of its prompt is prefilled
 there (``local``), as llm-d's prefix-based decider does. The two learned terms
 the decision needs beside routing's prefill rates live here (``Learned``).
 
-Faults: a prefill leg that fails (refused, 5xx, timed out, no params returned)
-is retried once on another prefill replica, then falls back to a local
-prefill; a decode replica that fails before its first byte (5xx) is replaced
-by another decode replica, prefilled again. Once the client has seen a byte,
-nothing is retried (the relay's rules). Nothing here runs, allocates or
-branches beyond one attribute read when no replica has a P/D role.
+Faults: a prefill leg that fails (5xx, garbage) is retried once on another
+prefill replica, then falls back to a local prefill; one that times out, is
+refused (4xx) or answers without params falls back at once (another would most
+likely do the same, and the wait is spent); a decode replica that fails before
+its first byte (5xx, a failed pull included) is replaced by another decode
+replica, prefilled again on another prefill replica, within the pool's retry
+budget. Once the client has seen a byte, nothing is retried (the relay's rules).
+When no replica has a P/D role none of this runs: the endpoint's only cost is a
+scan of the replicas' roles (``ReplicaPool.disaggregated``).
+
+Both learned terms, and ``both`` replicas never taking prefill legs (the role
+says they serve whole requests, and they may run no KV connector), are in
+docs/disaggregation.md.
 """
 
 from __future__ import annotations
