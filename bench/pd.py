@@ -19,7 +19,8 @@ requests (``bench.routing_e2e``'s client and workloads), and prints:
 Rows:
 
 * ``vllm-router``: vLLM's router, ``--vllm-pd-disaggregation --prefill P1 --prefill P2
-  --decode D1 --decode D2 --policy round_robin`` (``bench.vllm_router``);
+  --decode D1 --decode D2 --policy round_robin`` (``bench.vllm_router``;
+  ``--vllm-router-policy`` picks another policy);
 * ``direct``: no P/D, the same requests round robin to two ``--role both`` replicas.
 
 A row is one function from the fleet to a ``Route`` (the URLs clients send to, the
@@ -57,7 +58,7 @@ from bench.pools import DEFAULT_RATIO, pool_size
 from bench.routing_e2e import (
     BLOCK_SIZE, MAX_TOKENS, build, fleet_ratio, request_body, request_counts, reset, stream_request)
 from bench.routing_replay import Result, Usage, replay, summarise
-from bench.vllm_router import start_vllm_router_pd, vllm_router_binary
+from bench.vllm_router import VLLM_ROUTER_POLICIES, start_vllm_router_pd, vllm_router_binary
 from bench.workloads import ClosedLoop, Request, Workload
 
 __all__ = ["Fleet", "Route", "ROWS", "add_row", "main", "run"]
@@ -100,7 +101,8 @@ RowStarter = Callable[[Fleet, Path, argparse.Namespace], Route]
 
 
 def _vllm_router(fleet: Fleet, workdir: Path, args: argparse.Namespace) -> Route:
-    router = start_vllm_router_pd([s.url for s in fleet.prefill], [s.url for s in fleet.decode], workdir)
+    router = start_vllm_router_pd([s.url for s in fleet.prefill], [s.url for s in fleet.decode], workdir,
+                                  policy=args.vllm_router_policy)
     return Route([router.url], fleet.prefill, fleet.decode, lambda: _kill(router.proc))
 
 
@@ -225,6 +227,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"\n{args.workload}: {len(bodies)} requests; {pool.describe()}\n{HEADER}", flush=True)
         for name in args.rows:
             r = asyncio.run(run_row(name, fleet, workload, bodies, workdir, args))
+            if name == "vllm-router" and args.vllm_router_policy != "round_robin":
+                r["row"] = f"{name}:{args.vllm_router_policy}"
             texts = r.pop("texts")
             r["wrong"] = sum(1 for rid, text in texts.items() if text != right[rid])
             print(_line(r), flush=True)
@@ -251,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-transfer-s-per-token", type=float, default=TRANSFER_S_PER_TOKEN)
     p.add_argument("--time-scale", type=float, default=0.5,
                    help="the replicas' --time-scale (0.5: a row of 160 requests in about 15 s)")
+    p.add_argument("--vllm-router-policy", default="round_robin", choices=VLLM_ROUTER_POLICIES,
+                   help="the vllm-router row's --policy (prefill and decode alike)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="pd.json goes here")
     args = p.parse_args(argv)
     unknown = [r for r in args.rows if r not in ROWS]
