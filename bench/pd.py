@@ -195,7 +195,7 @@ def _summary(name: str, results: list[Result], route: Route, wall: float) -> dic
             "texts": {r.rid: r.usage.text for r in ok if r.usage is not None}}
 
 
-HEADER = (f"{'row':<14}{'ttft p50':>10}{'ttft p95':>10}{'itl p99':>10}{'prefill hit':>13}"
+HEADER = (f"{'row':<24}{'ttft p50':>10}{'ttft p95':>10}{'itl p99':>10}{'prefill hit':>13}"
           f"  {'prefill reqs':<14}{'decode reqs':<14}{'pulled tok':>11}{'D computed':>11}{'errors':>8}{'wrong':>7}"
           f"{'wall':>7}")
 
@@ -204,7 +204,7 @@ def _line(r: dict[str, Any]) -> str:
     def ms(s: float) -> str:
         return f"{s * 1000:>8.0f}ms"
 
-    return (f"{r['row']:<14}{ms(r['ttft_p50_s'])}{ms(r['ttft_p95_s'])}{ms(r['itl_p99_s'])}"
+    return (f"{r['row']:<24}{ms(r['ttft_p50_s'])}{ms(r['ttft_p95_s'])}{ms(r['itl_p99_s'])}"
             f"{r['prefill_hit_ratio']:>13.3f}  {'/'.join(map(str, r['prefill_requests'])):<14}"
             f"{'/'.join(map(str, r['decode_requests'])) or '-':<14}"
             f"{r['pulled_tokens']:>11}{r['decode_computed_tokens']:>11}"
