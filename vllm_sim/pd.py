@@ -10,6 +10,13 @@ KV moves by NIXL reads; one HTTP call stands in for both).
 
 What vLLM 0.33 does, and where (paths under ``vllm/``):
 
+- The router's steps are those of vLLM's toy proxy
+  (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` in vLLM's repository;
+  not in the wheel), and of ``vllm-router --vllm-pd-disaggregation`` (what it sends:
+  ``bench/vllm_router.py``): the prefill leg with ``do_remote_decode`` true, the other
+  fields null, ``stream`` false and ``max_tokens`` 1; the decode leg with the params the
+  prefill returned.
+
 - The params are a request field (``kv_transfer_params: dict | None``) of chat and
   completions (``entrypoints/openai/chat_completion/protocol.py``,
   ``completion/protocol.py``), responses (``responses/protocol.py``) and Anthropic messages
