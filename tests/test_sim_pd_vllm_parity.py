@@ -20,6 +20,9 @@ vLLM's sha256 block hasher so its prefix cache works. Checked:
 * a failed load (``failed_recving``): under ``kv_load_failure_policy`` "fail" (the
   default) the request finishes with "error", the simulator's 500; under "recompute"
   the whole prompt is computed locally, nothing cached;
+* KV events: the blocks a decode leg caches (``BlockStored`` token ids, vLLM's through its
+  event publisher, the simulator's through its replay socket) are the same, but for a
+  block whose hash the decode already held (see the test);
 * the bodies: vLLM's request models (chat, completions, responses, Anthropic messages)
   accept the simulator's prefill and decode bodies and keep their ``kv_transfer_params``,
   and its response models accept the simulator's prefill answers with the params intact.
@@ -47,7 +50,8 @@ OWN = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host
 _VLLM_PD = r'''
 import json, sys
 import torch
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_events import BlockStored
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -71,7 +75,8 @@ def scheduler(policy="fail"):
                         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
                         kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
                                                             engine_id="engine-p",
-                                                            kv_load_failure_policy=policy))
+                                                            kv_load_failure_policy=policy),
+                        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
     config.cache_config.num_gpu_blocks = 201
     kv_spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=201, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_spec)])
@@ -123,6 +128,14 @@ def decode(case, policy="fail", fail=False):
         return answer
 
     connector.get_num_new_matched_tokens = noted
+    stored = []  # token ids of the blocks the decode leg cached (KV events' BlockStored)
+    publish = s.kv_event_publisher.publish
+
+    def kept(batch, _publish=publish, _stored=stored):
+        _stored.extend(t for ev in batch.events if isinstance(ev, BlockStored) for t in ev.token_ids)
+        return _publish(batch)
+
+    s.kv_event_publisher.publish = kept
     n_blocks = -(-len(case["prompt"]) // BS)
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(range(1, n_blocks + 1))],
               "remote_engine_id": "engine-x", "remote_request_id": "p", "remote_host": "localhost",
@@ -131,7 +144,7 @@ def decode(case, policy="fail", fail=False):
                           None, arrival_time=0.0, block_hasher=HASHER))
     out = s.schedule()  # allocated, waiting for the remote KV
     done = KVConnectorOutput(finished_recving={"d"}, failed_recving={"d"} if fail else set())
-    end = {"cached": None, "computed": None, "finish": None, "scheduled": 0}
+    end = {"cached": None, "computed": None, "finish": None, "scheduled": 0, "stored": stored}
     received = s.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=done))
     for outs in received.values():
         for o in outs.outputs:
@@ -208,14 +221,19 @@ def _sim_prefills() -> list[dict[str, Any]]:
     return out
 
 
-def _decode_end(d: PDSim, answer: httpx.Response, before: dict[str, Any]) -> dict[str, Any]:
-    """How a decode leg ended, in the terms the vLLM script reports (``finish`` "error": a 500)."""
+def _stored(d: PDSim) -> list[int]:
+    return [t for run in d.stored_token_ids() for t in run]
+
+
+def _decode_end(d: PDSim, answer: httpx.Response, before: dict[str, Any], stored: int) -> dict[str, Any]:
+    """How a decode leg ended, in the terms the vLLM script reports (``finish`` "error": a 500), and
+    the token ids of the blocks it cached (its KV events' ``BlockStored``)."""
     if answer.status_code == 500:
-        return {"cached": None, "computed": None, "finish": "error"}
+        return {"cached": None, "computed": None, "finish": "error", "stored": _stored(d)[stored:]}
     body = answer.json()
     return {"cached": body["usage"]["prompt_tokens_details"]["cached_tokens"],
             "computed": int(d.stats()["prefill_computed_tokens_sum"] - before["prefill_computed_tokens_sum"]),
-            "finish": body["choices"][0]["finish_reason"]}
+            "finish": body["choices"][0]["finish_reason"], "stored": _stored(d)[stored:]}
 
 
 def _sim_decode(case: dict[str, Any], policy: str = "fail", fail: bool = False) -> list[Any]:
@@ -229,12 +247,12 @@ def _sim_decode(case: dict[str, Any], policy: str = "fail", fail: bool = False) 
         params.pop("remote_prefill_cached_tokens")
         if fail:
             params["remote_engine_id"] = "no-such-engine"
-        before = d.stats()
+        before, stored = d.stats(), len(_stored(d))
         answer = httpx.post(d.url + "/v1/completions", json=decode_body(_completion(case["prompt"], 2), params),
                             timeout=10)
         moved = d.stats()["kv_transfer"]
         local = len(case["prompt"]) - moved["external_queries"]
-        return [local, moved["transfer_tokens"], _decode_end(d, answer, before)]
+        return [local, moved["transfer_tokens"], _decode_end(d, answer, before, stored)]
 
 
 def _bodies() -> list[dict[str, Any]]:
@@ -283,10 +301,17 @@ def test_the_sims_p_d_legs_match_vllms_connector_and_protocol(tmp_path: Path, vl
         assert {k: v for k, v in sim.items() if k not in OWN} == {k: v for k, v in real.items() if k not in OWN}
     assert [r["remote_prefill_cached_tokens"] for r in vllm["prefill"]] == [0, BS]  # the cases test a hit
     # The decode pulls what vLLM's connector asks for, after the same local hit, computes none of
-    # the prompt (vLLM schedules only its last token again) and counts all of it as cached.
+    # the prompt (vLLM schedules only its last token again), counts all of it as cached, and caches
+    # the pulled full blocks (BlockStored).
     for case, real in zip(DECODE_CASES, vllm["decode"], strict=True):
         assert real[2].pop("scheduled") == 1
-        assert _sim_decode(case) == real, case
+        sim = _sim_decode(case)
+        if case["prompt"] is WHOLE:
+            # A known difference, not P/D's own: vLLM caches the pulled (or recomputed) block whose hash
+            # it already holds as a second physical block and reports it stored again; the simulator's
+            # pool keeps such a duplicate anonymous and reports nothing (vllm_sim.kv, allocate).
+            assert (real[2].pop("stored"), sim[2].pop("stored")) == (WHOLE[BS:], [])
+        assert sim == real, case
     assert [loaded for _, loaded, _ in vllm["decode"]] == [35, 19, 16, 12]
     # A failed load: vLLM's default policy ends the request in error (the server's 500), and
     # "recompute" prefills all of it locally.
@@ -294,6 +319,7 @@ def test_the_sims_p_d_legs_match_vllms_connector_and_protocol(tmp_path: Path, vl
         real.pop("scheduled")
         assert _sim_decode(DECODE_CASES[0], policy, fail=True)[2] == real, policy
     assert vllm["failed"]["fail"]["finish"] == "error" and vllm["failed"]["recompute"]["computed"] == len(PROMPT)
+    assert vllm["decode"][0][2]["stored"] == PROMPT[: 2 * BS]  # the cases test what they should
     # vLLM's models take every body and keep the params as sent or returned.
     for item, checked in zip(bodies, vllm["bodies"], strict=True):
         assert checked["ok"], (item["model"], checked)
