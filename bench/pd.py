@@ -118,16 +118,20 @@ def add_row(name: str, start: RowStarter) -> None:
     ROWS[name] = start
 
 
-def start_fleet(blocks: int, transfer_s_per_token: float, time_scale: float) -> Fleet:
-    """2 prefill, 2 decode and 2 plain replicas at ``blocks`` KV blocks each, and the reference (no sleeping)."""
+def start_fleet(blocks: int, transfer_s_per_token: float, time_scale: float, *, plain: bool = True) -> Fleet:
+    """2 prefill and 2 decode replicas at ``blocks`` KV blocks each, 2 plain ones (``plain``: for the
+    ``direct`` row), and the reference (no sleeping, a pool that never evicts)."""
     flags = {**SIM_FLAGS, "kv_blocks": blocks, "time_scale": time_scale}
     pd_flags = {**flags, "kv_transfer_s_per_token": transfer_s_per_token}
-    sims = [Sim("p1", free_port(), {**pd_flags, "role": "prefill"}),
-            Sim("p2", free_port(), {**pd_flags, "role": "prefill"}),
-            Sim("d1", free_port(), {**pd_flags, "role": "decode"}),
-            Sim("d2", free_port(), {**pd_flags, "role": "decode"}),
-            Sim("b1", free_port(), dict(flags)), Sim("b2", free_port(), dict(flags)),
-            Sim("ref", free_port(), {"time_scale": 0, "kv_blocks": 1 << 16})]
+    pd_sims = [Sim("p1", free_port(), {**pd_flags, "role": "prefill"}),
+               Sim("p2", free_port(), {**pd_flags, "role": "prefill"}),
+               Sim("d1", free_port(), {**pd_flags, "role": "decode"}),
+               Sim("d2", free_port(), {**pd_flags, "role": "decode"})]
+    both = [Sim("b1", free_port(), dict(flags)), Sim("b2", free_port(), dict(flags))] if plain else []
+    reference = Sim("ref", free_port(), {"time_scale": 0, "kv_blocks": 1 << 16})
+    sims = [*pd_sims, *both, reference]
+    for s in sims:
+        s.startup_timeout = 60.0  # seven interpreters importing at once on a busy machine
     try:
         with ThreadPoolExecutor(len(sims)) as pool:
             list(pool.map(Sim.start, sims))
@@ -135,7 +139,7 @@ def start_fleet(blocks: int, transfer_s_per_token: float, time_scale: float) -> 
         for s in sims:
             s.kill()
         raise
-    return Fleet(sims[0:2], sims[2:4], sims[4:6], sims[6])
+    return Fleet(pd_sims[0:2], pd_sims[2:4], both, reference)
 
 
 async def _answers(fleet: Fleet, workload: Workload, bodies: dict[int, dict[str, Any]]) -> dict[int, str]:
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     pool = pool_size(workload, 2, args.pool_ratio, clients=loop.clients if loop else 0,
                      kv_tokens=args.kv_tokens, block_size=BLOCK_SIZE, max_output=MAX_TOKENS)
     bodies = {r.rid: request_body(r, MODEL) for r in workload.requests}
-    fleet = start_fleet(pool.blocks, args.kv_transfer_s_per_token, args.time_scale)
+    fleet = start_fleet(pool.blocks, args.kv_transfer_s_per_token, args.time_scale, plain="direct" in args.rows)
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-pd-"))
     out: list[dict[str, Any]] = []
     try:
