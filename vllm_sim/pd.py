@@ -76,9 +76,12 @@ are 1), heartbeats, the push mode (``NixlPushConnector``), bidirectional transfe
 prefill's trailing-token backoff (0 for plain attention models).
 
 Roles (``--role``): "both" accepts both kinds of params, as vLLM's ``kv_both``; "prefill"
-refuses ``do_remote_prefill`` and "decode" refuses ``do_remote_decode`` with a 400, where a
+refuses ``do_remote_prefill`` and "decode" refuses ``do_remote_decode`` with a 400, where
+vLLM's connector does not look at the role per request (``nixl/pull_scheduler.py``) and a
 real ``kv_producer``/``kv_consumer`` would misbehave quietly: a test should learn that a
-router sent a leg to the wrong side. All roles serve plain requests.
+router sent a leg to the wrong side. All roles serve plain requests, as vLLM does. (vLLM
+0.33 warns that ``kv_both`` with NixlConnector is deprecated in favour of ``kv_producer``
+for prefill instances and ``kv_consumer`` for decode ones: ``nixl/connector.py``.)
 """
 
 from __future__ import annotations
