@@ -71,16 +71,73 @@ def minilm() -> Any:
     return shared_minilm()
 
 
+# The test files that use vLLM's own code (its interpreter or its render server), and those that
+# start processes of their own (a kvgate, a fleet, a CLI): seconds each, however few their tests.
+_TEST_TEXTS = {f"tests/{p.name}": p.read_text(encoding="utf-8") for p in Path(__file__).parent.glob("test_*.py")}
+_VLLM_FILES = frozenset(f for f, text in _TEST_TEXTS.items()
+                        if any(name in text for name in ("vllm_worker", "vllm_render", "vllm_tokdir")))
+_PROCESS_FILES = frozenset(f for f, text in _TEST_TEXTS.items()
+                           if any(call in text for call in ("start_kvgate(", "start_fleet(", "subprocess.", "Popen")))
+
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # pragma: no cover - the test extra installs xdist
+    pass
+else:
+    class _VllmTogether(LoadFileScheduling):
+        """Whole test files to each worker, as ``--dist loadfile`` does, except that the files using
+        vLLM go to one worker together: starting vLLM's interpreter and render server costs about 30
+        CPU-seconds, paid once rather than once per worker."""
+
+        _ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "vllm" if path in _VLLM_FILES else path
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # Longest first, so no long file starts last while the other worker idles: vLLM's
+            # files and those that start processes, then the rest by their number of tests.
+            if not self._ordered:
+                self._ordered = True
+                units = sorted(self.workqueue.items(),
+                               key=lambda unit: (unit[0] != "vllm", unit[0] not in _PROCESS_FILES, -len(unit[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        if config.getoption("dist") == "loadfile":
+            return _VllmTogether(config, log)
+        return None
+
+
+# What of vLLM the collected tests use: (its interpreter, its render server).
+_USED = [False, False]
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start vLLM's worker and render server in the background if the collected tests use them."""
+    """Start vLLM's worker and render server in the background if the collected tests use them.
+    Under xdist every worker collects every test: there only the worker that runs them starts
+    vLLM, both parts at once, when a test first asks for either (``_start_vllm``)."""
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    worker, render = "vllm_worker" in used, bool({"vllm_render", "vllm_tokdir"} & used)
-    if worker or render:
+    _USED[:] = ["vllm_worker" in used, bool({"vllm_render", "vllm_tokdir"} & used)]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if any(_USED):
         try:
             python = need_vllm()
         except pytest.skip.Exception:
             return  # the tests that need vLLM skip, saying why
-        VLLM.start(python, worker=worker, render=render, nice=BACKGROUND_NICE)
+        VLLM.start(python, worker=_USED[0], render=_USED[1], nice=BACKGROUND_NICE)
+
+
+def _start_vllm() -> str:
+    """vLLM's Python, with whatever of vLLM this run uses started (or starting)."""
+    python = need_vllm()
+    VLLM.start(python, worker=_USED[0], render=_USED[1])
+    return python
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -90,13 +147,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.fixture(scope="session")
 def vllm_worker() -> VllmWorker:
     """vLLM's own Python, shared by every parity test (skips where vLLM is missing)."""
-    return VLLM.worker(need_vllm())
+    return VLLM.worker(_start_vllm())
 
 
 @pytest.fixture(scope="session")
 def vllm_tokdir() -> Path:
     """The tokenizer directory (built from the MiniLM package) the render server serves."""
-    VLLM.start(need_vllm(), worker=False)
+    VLLM.start(_start_vllm(), worker=False)
     assert VLLM.tokdir is not None
     return VLLM.tokdir
 
@@ -104,4 +161,4 @@ def vllm_tokdir() -> Path:
 @pytest.fixture(scope="session")
 def vllm_render() -> RenderServer:
     """vLLM's render server on ``vllm_tokdir``, serving the model ``parity-model``, for the whole run."""
-    return VLLM.render(need_vllm())
+    return VLLM.render(_start_vllm())

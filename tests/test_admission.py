@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import orjson
 import pytest
 
 from gateway.proxy.admission import Admission
@@ -126,3 +127,22 @@ def test_no_probe_seat_once_the_seats_are_confirmed_while_slots_are_promised() -
     clock[0] = 30.0
     adm.pump()  # as after every scrape
     assert adm.limit(r) == 5  # nothing promised: probe again
+
+
+def test_the_last_step_is_found_from_the_chunks_that_carry_tokens_never_early() -> None:
+    from gateway.proxy.sse import StreamObserver
+
+    calls: list[int] = []
+    obs = StreamObserver("chat", strip_usage_chunk=True, tokens_left=3, on_last_step=lambda: calls.append(1))
+
+    def chunk(delta: dict[str, object]) -> bytes:
+        return b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}) + b"\n\n"
+
+    obs.feed(chunk({"role": "assistant", "content": ""}))  # the role's chunk carries no token
+    obs.feed(chunk({"content": "a"}))
+    obs.feed(chunk({"content": ""}))  # a token still being detokenized shows nothing: not counted
+    assert calls == [] and obs.tokens_left == 2
+    obs.feed(chunk({"content": "b"}))
+    assert calls == [1] and obs.tokens_left == 1
+    obs.feed(chunk({"content": "c"}))
+    assert calls == [1]  # once

@@ -267,6 +267,44 @@ def test_a_client_that_disconnects_leaves_the_queue_at_once() -> None:
         fleet.close()
 
 
+def _stream(url: str, key: str, text: str, max_tokens: int | None) -> list[str]:
+    """A streamed chat's chunks of text, read to the end."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    extra = {} if max_tokens is None else {"max_tokens": max_tokens}
+    chunks = client.chat.completions.create(model=MODEL, stream=True, messages=[{"role": "user", "content": text}],
+                                            **extra)
+    return [c.choices[0].delta.content or "" for c in chunks if c.choices]
+
+
+@pytest.mark.parametrize("max_tokens", [3, None])
+def test_a_slot_is_handed_on_at_the_last_step_of_an_answer_its_max_tokens_bounds(max_tokens: int | None) -> None:
+    fleet = _one_slot([{"name": "a", "api_keys": ["sk-a"]}])
+    received = fleet.captures["r1"].received
+    try:
+        # The replica streams all of the held answer's tokens but its last, then waits.
+        first, first_out = _background(_stream, fleet.url, "sk-a", "HOLD", max_tokens)
+        fleet.wait_for(lambda: any("HOLD" in r.text for r in received), "the held request arrived")
+        second, second_out = _background(_chat, fleet.url, "sk-a", "next")
+        if max_tokens is not None:
+            # One token left: the next request is sent now, to wait its turn inside the replica.
+            fleet.wait_for(lambda: any(r.text == "next" for r in received), "the next request reached the replica")
+            assert first.is_alive() and fleet.admission.ending
+        else:
+            # Nothing says when the answer ends: the next request waits in kvgate until it has.
+            fleet.wait_for(lambda: fleet.admission.queue.depth("a") == 1, "the next request queued")
+            assert [r.text for r in received] == ["HOLD"]
+        fleet.release()
+        for t in (first, second):
+            t.join(30)
+        assert first_out["result"] == ["t", "t", "t"] and second_out["result"].status_code == 200
+        assert [r.text for r in received] == ["HOLD", "next"]
+        fleet.wait_for(lambda: fleet.app.state.runtime.pool.active_requests == 0, "both leases ended")
+        adm = fleet.admission
+        assert adm.ending == {} and adm.reserved == {} and adm.queue_len == 0 and adm.shares.held("a") == 0
+    finally:
+        fleet.close()
+
+
 def test_without_tenants_nothing_queues() -> None:
     fleet = _one_slot([])
     try:

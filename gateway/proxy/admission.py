@@ -37,6 +37,11 @@ While anything is promised, a replica whose seats are confirmed gets no probe se
 A ticket's ``hold`` and ``done`` tell the shares who holds what (``done`` runs just
 before the lease ends, so the hand-on sees the slot as its tenant's).
 
+**The last step.** A streamed answer bounded by ``max_tokens`` hands its slot on when one
+token is left (``Ticket.last_step``, counted by ``sse.StreamObserver``): the next request then
+waits inside vLLM for that one step and joins as the seat frees, instead of a hop after the
+stream ends. Its lease stays until the stream ends; ``ending`` keeps the count straight.
+
 **The queue** is ``policies.fair_queue``: strict bands by class, weighted fair
 queueing over prompt tokens within a band. A freed slot goes to the first
 waiting request its replica can serve. A waiter leaves with a 429 and
@@ -88,7 +93,7 @@ class _TenantTally:
 class Ticket:
     """One request's claim on a slot: who it is, its class, the work it carries."""
 
-    __slots__ = ("admission", "tenant", "cls", "cost", "deadline", "held_at")
+    __slots__ = ("admission", "tenant", "cls", "cost", "deadline", "held_at", "replica", "ending")
 
     def __init__(self, admission: "Admission", tenant: "Tenant", cls: str, cost: float) -> None:
         self.admission = admission
@@ -97,6 +102,8 @@ class Ticket:
         self.cost = max(1.0, cost)
         self.deadline: float | None = None  # the event loop's time the tenant's queue deadline ends
         self.held_at: float | None = None  # when it took its slot (``hold``)
+        self.replica: Replica | None = None  # where its slot is, once leased (``upstream``)
+        self.ending = False  # its slot was handed on at its answer's last step (``last_step``)
 
     def free(self, candidates: list[Replica]) -> list[Replica]:
         """The candidates with a free slot this request may take now: none while others wait,
@@ -115,9 +122,26 @@ class Ticket:
 
     def done(self) -> None:
         """Its slot is given back; call before the lease ends, so the slot's hand-on sees it."""
+        if self.ending and self.replica is not None:
+            self.ending = False
+            self.admission.ended(self.replica)
         if self.held_at is not None:
             self.admission.release(self.tenant.name, self.admission.clock() - self.held_at)
             self.held_at = None
+
+    def last_step(self) -> None:
+        """Its answer is one decode step from its end (it streamed all its ``max_tokens`` but
+        one): the slot is handed on now. vLLM admits requests between steps, so the next request,
+        sent during this last step, joins the step after it, the first without this one: the seat
+        idles no longer than under vLLM's own queue, instead of the hop it takes to send a request
+        after the stream ends. The lease stays until the stream ends (``done``)."""
+        if self.held_at is None or self.replica is None or self.ending:
+            return
+        self.ending = True
+        self.admission.ending[self.replica] = self.admission.ending.get(self.replica, 0) + 1
+        self.admission.release(self.tenant.name, self.admission.clock() - self.held_at)
+        self.held_at = None
+        self.admission.pump()
 
     async def wait(self, model: str) -> list[Replica]:
         """Queue until a slot frees on a replica serving ``model``; the replicas with a free slot
@@ -144,6 +168,8 @@ class Admission:
         self.queue: FairQueue[_Waiter] = FairQueue()
         self.queue_len = 0  # len(queue), kept as a plain int for the fast path
         self.reserved: dict[Replica, int] = {}  # slots handed to woken waiters, not yet leased
+        # Leases whose answer is in its last step and whose slot was handed on (``Ticket.last_step``).
+        self.ending: dict[Replica, int] = {}
         self.closed = False
         self.tallies: dict[str, _TenantTally] = {}
         # Who holds the slots, and what is held back for tenants below their share.
@@ -181,7 +207,19 @@ class Admission:
 
     def has_slot(self, r: Replica) -> bool:
         limit = self.limit(r)
-        return limit is None or r.in_flight + self.reserved.get(r, 0) < limit
+        return limit is None or self._taken(r) < limit
+
+    def _taken(self, r: Replica) -> int:
+        """The slots on ``r`` in use: leases not in their last step, and slots handed to waiters."""
+        return r.in_flight - self.ending.get(r, 0) + self.reserved.get(r, 0)
+
+    def ended(self, r: Replica) -> None:
+        """A lease in its last step is about to end: its slot was handed on already."""
+        n = self.ending.get(r, 0) - 1
+        if n > 0:
+            self.ending[r] = n
+        else:
+            self.ending.pop(r, None)
 
     # -- shares of a full fleet (policies.fair_share) ---------------------------------------
     def _limits(self) -> list[tuple[Replica, float | None]]:
@@ -200,8 +238,7 @@ class Admission:
         return total
 
     def _free_slots(self) -> float:
-        return sum(max(0.0, limit - r.in_flight - self.reserved.get(r, 0))
-                   for r, limit in self._limits() if limit is not None)
+        return sum(max(0.0, limit - self._taken(r)) for r, limit in self._limits() if limit is not None)
 
     def may_take(self, tenant: str) -> bool:
         """Whether a request of ``tenant`` may take a free slot now rather than queue."""

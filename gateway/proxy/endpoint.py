@@ -208,7 +208,9 @@ class ProxyEndpoint:
         timeouts = self.rt.settings.timeouts
         on_complete = None if ctx.cache_req is None else partial(stages.store_answer, self.rt, ctx)
         if ctx.stream:
-            return await relay_stream(response, exchange, self._observer(ctx), first_byte_s=timeouts.first_byte_s,
+            observer = self._observer(ctx)
+            stages.hand_on_early(ctx, observer)
+            return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
                                       stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete,
                                       on_first=ctx.first_token)
         return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s,

@@ -12,6 +12,7 @@ oversized event ends the relay; nothing from a bad stream is ever cached.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -62,6 +63,10 @@ class StreamObserver:
     finish_reason: str | None = None
     has_tool_calls: bool = False
     events: int = 0
+    # Set by admission (``stages.hand_on_early``): the tokens the answer may still carry
+    # (its max_tokens), and what to call when one is left.
+    tokens_left: int | None = None
+    on_last_step: Callable[[], None] | None = None
     _buf: bytearray = field(default_factory=bytearray)
     _text: list[str] = field(default_factory=list)
 
@@ -149,21 +154,36 @@ class StreamObserver:
         return True
 
     def _observe_choice(self, choice: dict[str, Any]) -> None:
+        token = False
         if self.endpoint == "chat":
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 content = delta.get("content")
                 if isinstance(content, str):
                     self._text.append(content)
+                    token = bool(content)
                 if delta.get("tool_calls"):
-                    self.has_tool_calls = True
+                    self.has_tool_calls = token = True
+                token = token or bool(delta.get("reasoning_content") or delta.get("reasoning"))
         else:
             text = choice.get("text")
             if isinstance(text, str):
                 self._text.append(text)
+                token = bool(text)
+        if token and self.tokens_left is not None:
+            self._count_token()
         reason = choice.get("finish_reason")
         if isinstance(reason, str):
             self.finish_reason = reason
+
+
+    def _count_token(self) -> None:
+        # A chunk that carries text carries at least one token (several with speculative decoding
+        # or a stream interval), so counting chunks can only find the last step late, never early.
+        left = self.tokens_left = (self.tokens_left or 0) - 1
+        if left == 1 and self.on_last_step is not None:
+            on_last_step, self.on_last_step = self.on_last_step, None
+            on_last_step()
 
 
 def _find_separator(buf: bytearray, start: int) -> tuple[int, int]:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from routing import RouteRequest
 
     from .context import RequestContext
+    from .sse import StreamObserver
     from gateway.runtime import Runtime
 
 log = logging.getLogger("kvgate.stages")
@@ -77,6 +78,23 @@ def claim_slot(rt: "Runtime", ctx: "RequestContext", payload: bytes, token_ids: 
         return
     cost = len(token_ids) if token_ids else len(payload) / CHARS_PER_TOKEN
     ctx.ticket = rt.admission.ticket(ctx.tenant, ctx.priority_class, cost)
+
+
+def hand_on_early(ctx: "RequestContext", observer: StreamObserver) -> None:
+    """Let the request's slot go at its answer's last decode step (``Ticket.last_step``): only for a
+    stream of the chat family with a single choice whose length is bounded by ``max_tokens``.
+    Other answers end when they end, which nothing here can foresee."""
+    if ctx.ticket is None or not ctx.stream or ctx.endpoint not in ("chat", "completions"):
+        return
+    body = ctx.body
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("use_beam_search"):
+        return  # several sequences share the slot
+    bound = body.get("max_completion_tokens") if ctx.endpoint == "chat" else None
+    if bound is None:
+        bound = body.get("max_tokens")
+    if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 2:
+        observer.tokens_left = bound
+        observer.on_last_step = ctx.ticket.last_step
 
 
 def upstream_body(ctx: "RequestContext") -> dict[str, Any]:

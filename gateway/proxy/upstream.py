@@ -162,6 +162,8 @@ async def _attempts(
                 pool.record_failure(replica, f"http_{response.status_code}")
             attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool,
                               prefer_s=prefer_s, ticket=ticket)
+            if ticket is not None:
+                ticket.replica = replica
             budget_held = 0
             return attempt
     finally:

@@ -3,7 +3,8 @@
 For the tests that must see the exact bytes a replica received (which ``priority``
 reached it) or must keep a replica's slot busy for as long as they choose (the
 fair queue's order, deadline, disconnects and shutdown): a request whose prompt
-contains ``HOLD`` is answered only after ``POST /release``. It answers chat,
+contains ``HOLD`` is answered only after ``POST /release`` (a streamed chat request
+sends all its tokens but the last first, one chunk each). It answers chat,
 completions and Anthropic messages with fixed, well-formed bodies; with
 ``refuse_priority`` it refuses a non-zero ``priority`` with a 400, as vLLM does
 under its default ``--scheduling-policy fcfs``.
@@ -19,7 +20,7 @@ import httpx
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 __all__ = ["Capture", "Received"]
@@ -60,10 +61,10 @@ class Capture:
                 return Response(orjson.dumps({"error": {
                     "message": "Priority scheduling is not enabled.", "type": "BadRequestError", "param": None,
                     "code": 400}}), status_code=400, media_type="application/json")
+            if got.path == "/v1/chat/completions" and got.body.get("stream"):
+                return StreamingResponse(self._stream(got), media_type="text/event-stream")
             if "HOLD" in got.text:
-                if self._release is None:
-                    self._release = asyncio.Event()
-                await self._release.wait()
+                await self._held()
             return Response(orjson.dumps(self._answer(got.path)), media_type="application/json")
 
         async def release(request: Request) -> Response:
@@ -88,6 +89,27 @@ class Capture:
             Route("/health", ok, methods=["GET"]),
             Route("/metrics", ok, methods=["GET"]),
         ])
+
+    async def _held(self) -> None:
+        if self._release is None:
+            self._release = asyncio.Event()
+        await self._release.wait()
+
+    async def _stream(self, got: Received) -> Any:
+        """``max_tokens`` chunks of one token each (3 without it), then usage and [DONE]."""
+        n = got.body.get("max_tokens") or 3
+        for i in range(n):
+            if i == n - 1 and "HOLD" in got.text:
+                await self._held()
+            last = i == n - 1
+            yield b"data: " + orjson.dumps({
+                "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": self.model,
+                "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": "length" if last else None}],
+            }) + b"\n\n"
+        usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+        yield b"data: " + orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
+                                        "model": self.model, "choices": [], "usage": usage}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     @staticmethod
     def release_at(url: str) -> None:
