@@ -65,7 +65,7 @@ __all__ = ["Fleet", "Route", "ROWS", "add_row", "main", "run"]
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
-WORKLOADS = ["orgs_layered", "heavy_orgs", "heavy_orgs_burst", "shared_prefix", "unique"]
+WORKLOADS = ["orgs_layered", "heavy_orgs", "heavy_orgs_burst", "shared_prefix", "mtbench", "unique"]
 # The routing benchmarks' replica speeds (bench.routing_e2e), and a transfer ten times
 # cheaper per token than prefill (NIXL moves KV at tens of GB/s).
 SIM_FLAGS = {"prefill_s_per_token": 0.00005, "decode_base_s": 0.005, "max_num_seqs": 16}
@@ -199,7 +199,7 @@ def _summary(name: str, results: list[Result], route: Route, wall: float) -> dic
             "texts": {r.rid: r.usage.text for r in ok if r.usage is not None}}
 
 
-HEADER = (f"{'row':<24}{'ttft p50':>10}{'ttft p95':>10}{'itl p99':>10}{'prefill hit':>13}"
+HEADER = (f"{'row':<24}{'ttft p50':>10}{'ttft p95':>10}{'itl p99':>10}{'prefill hit':>13}{'%ref':>6}"
           f"  {'prefill reqs':<14}{'decode reqs':<14}{'pulled tok':>11}{'D computed':>11}{'errors':>8}{'wrong':>7}"
           f"{'wall':>7}")
 
@@ -208,11 +208,25 @@ def _line(r: dict[str, Any]) -> str:
     def ms(s: float) -> str:
         return f"{s * 1000:>8.0f}ms"
 
+    # A row that prefilled nothing remotely has no prefill hit ratio to show.
+    hit = (f"{r['prefill_hit_ratio']:>13.3f}{r['of_reference']:>6.0%}" if sum(r["prefill_requests"])
+           else f"{'-':>13}{'-':>6}")
     return (f"{r['row']:<24}{ms(r['ttft_p50_s'])}{ms(r['ttft_p95_s'])}{ms(r['itl_p99_s'])}"
-            f"{r['prefill_hit_ratio']:>13.3f}  {'/'.join(map(str, r['prefill_requests'])):<14}"
+            f"{hit}  {'/'.join(map(str, r['prefill_requests'])):<14}"
             f"{'/'.join(map(str, r['decode_requests'])) or '-':<14}"
             f"{r['pulled_tokens']:>11}{r['decode_computed_tokens']:>11}"
             f"{r['errors']:>8}{r['wrong']:>7}{r['wall_s']:>6.1f}s")
+
+
+def reference_hit_ratio(workload: Workload, kv_tokens: int, loop: ClosedLoop | None) -> float:
+    """The hit-ratio yardstick for the prefill pick: the run-bounded reference (``bench.routing_reference``:
+    greedy longest cached prefix, each replica within 1.3x the mean placed so far) over two replicas
+    of the prefill pools' size, in the routing benchmarks' virtual-time fleet simulator."""
+    from bench.routing_reference import RunBoundedReference
+    from bench.routing_sim import SimSettings, simulate
+
+    settings = SimSettings(replicas=2, kv_tokens=kv_tokens, block_size=BLOCK_SIZE, closed_loop=loop)
+    return simulate(workload, lambda clock: RunBoundedReference(), settings).hit_ratio
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -228,13 +242,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     try:
         right = asyncio.run(_answers(fleet, workload, bodies))
-        print(f"\n{args.workload}: {len(bodies)} requests; {pool.describe()}\n{HEADER}", flush=True)
+        reference = reference_hit_ratio(workload, pool.kv_tokens, loop)
+        print(f"\n{args.workload}: {len(bodies)} requests; {pool.describe()}; run-bounded reference's hit ratio "
+              f"over two such pools {reference:.3f} (%ref)\n{HEADER}", flush=True)
         for name in args.rows:
             r = asyncio.run(run_row(name, fleet, workload, bodies, workdir, args))
             if name == "vllm-router" and args.vllm_router_policy != "round_robin":
                 r["row"] = f"{name}:{args.vllm_router_policy}"
             texts = r.pop("texts")
             r["wrong"] = sum(1 for rid, text in texts.items() if text != right[rid])
+            r["reference_hit_ratio"] = reference
+            r["of_reference"] = r["prefill_hit_ratio"] / reference if reference else float("nan")
             print(_line(r), flush=True)
             out.append({"workload": args.workload, **r})
     finally:

@@ -29,10 +29,17 @@ REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": 
 class PDSim:
     def __init__(self, name: str, role: str = "both", **kw: Any) -> None:
         self.name = name
-        self.port, self.pub, self.replay = free_port(), free_port(), free_port()
-        cfg = sim_config(name, role=role, port=self.port, kv_events=f"tcp://127.0.0.1:{self.pub}",
-                         kv_events_replay=f"tcp://127.0.0.1:{self.replay}", **kw)
-        self.server = ServerThread(build_sim(cfg), port=self.port)
+        for attempt in range(5):
+            # A port found free may be taken by another test process before it is bound: try others.
+            self.port, self.pub, self.replay = free_port(), free_port(), free_port()
+            cfg = sim_config(name, role=role, port=self.port, kv_events=f"tcp://127.0.0.1:{self.pub}",
+                             kv_events_replay=f"tcp://127.0.0.1:{self.replay}", **kw)
+            try:
+                self.server = ServerThread(build_sim(cfg), port=self.port)
+                break
+            except OSError:
+                if attempt == 4:
+                    raise
 
     def __enter__(self) -> "PDSim":
         self.server.start()
