@@ -85,9 +85,20 @@ async def _failed_transfers(ctx: Ctx) -> int:
     return total
 
 
+async def _count_pulls(ctx: Ctx) -> None:
+    ctx.tally.facts["failed_transfers_before"] = await _failed_transfers(ctx)
+
+
+async def _count_failed_pulls(ctx: Ctx) -> None:
+    """The decode replicas' refused pulls during the load (vllm:nixl_num_failed_transfers)."""
+    facts = ctx.tally.facts
+    facts["failed_transfers"] = await _failed_transfers(ctx) - facts["failed_transfers_before"]
+    ctx.tally.notes.append(f"decode replicas refused {facts['failed_transfers']} pulls")
+
+
 async def _refuse_p1_transfers(ctx: Ctx) -> None:
     p1, p2 = ctx.fleet.sim("p1"), ctx.fleet.sim("p2")
-    ctx.tally.facts["failed_transfers_before"] = await _failed_transfers(ctx)
+    await _count_pulls(ctx)
     p1.flags["side_channel_port"] = p2.port
     await asyncio.to_thread(p1.restart)
     ctx.tally.notes.append(f"p1 restarted with its side channel on p2's port {p2.port}: its params name "
@@ -95,16 +106,14 @@ async def _refuse_p1_transfers(ctx: Ctx) -> None:
 
 
 async def _restore_p1(ctx: Ctx) -> None:
-    facts = ctx.tally.facts
-    facts["failed_transfers"] = await _failed_transfers(ctx) - facts["failed_transfers_before"]
-    ctx.tally.notes.append(f"decode replicas refused {facts['failed_transfers']} pulls")
+    await _count_failed_pulls(ctx)
     p1 = ctx.fleet.sim("p1")
     del p1.flags["side_channel_port"]
     await asyncio.to_thread(p1.restart)
 
 
 SCENARIOS: list[Scenario] = [
-    Scenario("pd_baseline", "no fault", exercised=_baseline),
+    Scenario("pd_baseline", "no fault", setup=_count_pulls, undo=_count_failed_pulls, exercised=_baseline),
     Scenario("prefill_killed", "the busiest prefill replica SIGKILLed under load, restarted at 60%",
              act=lambda ctx: kill_busiest(ctx, role="prefill"), exercised=_felt),
     Scenario("decode_killed", "the busiest decode replica SIGKILLed with streams open, restarted at 60%",
