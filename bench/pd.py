@@ -19,7 +19,8 @@ requests (``bench.routing_e2e``'s client and workloads), and prints:
 Rows:
 
 * ``vllm-router``: vLLM's router, ``--vllm-pd-disaggregation --prefill P1 --prefill P2
-  --decode D1 --decode D2 --policy round_robin`` (``bench.vllm_router``);
+  --decode D1 --decode D2 --policy round_robin`` (``bench.vllm_router``;
+  ``--vllm-router-policy`` picks another policy);
 * ``direct``: no P/D, the same requests round robin to two ``--role both`` replicas.
 
 A row is one function from the fleet to a ``Route`` (the URLs clients send to, the
@@ -57,7 +58,7 @@ from bench.pools import DEFAULT_RATIO, pool_size
 from bench.routing_e2e import (
     BLOCK_SIZE, MAX_TOKENS, build, fleet_ratio, request_body, request_counts, reset, stream_request)
 from bench.routing_replay import Result, Usage, replay, summarise
-from bench.vllm_router import start_vllm_router_pd, vllm_router_binary
+from bench.vllm_router import VLLM_ROUTER_POLICIES, start_vllm_router_pd, vllm_router_binary
 from bench.workloads import ClosedLoop, Request, Workload
 
 __all__ = ["Fleet", "Route", "ROWS", "add_row", "main", "run"]
@@ -100,7 +101,8 @@ RowStarter = Callable[[Fleet, Path, argparse.Namespace], Route]
 
 
 def _vllm_router(fleet: Fleet, workdir: Path, args: argparse.Namespace) -> Route:
-    router = start_vllm_router_pd([s.url for s in fleet.prefill], [s.url for s in fleet.decode], workdir)
+    router = start_vllm_router_pd([s.url for s in fleet.prefill], [s.url for s in fleet.decode], workdir,
+                                  policy=args.vllm_router_policy)
     return Route([router.url], fleet.prefill, fleet.decode, lambda: _kill(router.proc))
 
 
@@ -116,16 +118,20 @@ def add_row(name: str, start: RowStarter) -> None:
     ROWS[name] = start
 
 
-def start_fleet(blocks: int, transfer_s_per_token: float, time_scale: float) -> Fleet:
-    """2 prefill, 2 decode and 2 plain replicas at ``blocks`` KV blocks each, and the reference (no sleeping)."""
+def start_fleet(blocks: int, transfer_s_per_token: float, time_scale: float, *, plain: bool = True) -> Fleet:
+    """2 prefill and 2 decode replicas at ``blocks`` KV blocks each, 2 plain ones (``plain``: for the
+    ``direct`` row), and the reference (no sleeping, a pool that never evicts)."""
     flags = {**SIM_FLAGS, "kv_blocks": blocks, "time_scale": time_scale}
     pd_flags = {**flags, "kv_transfer_s_per_token": transfer_s_per_token}
-    sims = [Sim("p1", free_port(), {**pd_flags, "role": "prefill"}),
-            Sim("p2", free_port(), {**pd_flags, "role": "prefill"}),
-            Sim("d1", free_port(), {**pd_flags, "role": "decode"}),
-            Sim("d2", free_port(), {**pd_flags, "role": "decode"}),
-            Sim("b1", free_port(), dict(flags)), Sim("b2", free_port(), dict(flags)),
-            Sim("ref", free_port(), {"time_scale": 0, "kv_blocks": 1 << 16})]
+    pd_sims = [Sim("p1", free_port(), {**pd_flags, "role": "prefill"}),
+               Sim("p2", free_port(), {**pd_flags, "role": "prefill"}),
+               Sim("d1", free_port(), {**pd_flags, "role": "decode"}),
+               Sim("d2", free_port(), {**pd_flags, "role": "decode"})]
+    both = [Sim("b1", free_port(), dict(flags)), Sim("b2", free_port(), dict(flags))] if plain else []
+    reference = Sim("ref", free_port(), {"time_scale": 0, "kv_blocks": 1 << 16})
+    sims = [*pd_sims, *both, reference]
+    for s in sims:
+        s.startup_timeout = 60.0  # seven interpreters importing at once on a busy machine
     try:
         with ThreadPoolExecutor(len(sims)) as pool:
             list(pool.map(Sim.start, sims))
@@ -133,7 +139,7 @@ def start_fleet(blocks: int, transfer_s_per_token: float, time_scale: float) -> 
         for s in sims:
             s.kill()
         raise
-    return Fleet(sims[0:2], sims[2:4], sims[4:6], sims[6])
+    return Fleet(pd_sims[0:2], pd_sims[2:4], both, reference)
 
 
 async def _answers(fleet: Fleet, workload: Workload, bodies: dict[int, dict[str, Any]]) -> dict[int, str]:
@@ -193,7 +199,7 @@ def _summary(name: str, results: list[Result], route: Route, wall: float) -> dic
             "texts": {r.rid: r.usage.text for r in ok if r.usage is not None}}
 
 
-HEADER = (f"{'row':<14}{'ttft p50':>10}{'ttft p95':>10}{'itl p99':>10}{'prefill hit':>13}"
+HEADER = (f"{'row':<24}{'ttft p50':>10}{'ttft p95':>10}{'itl p99':>10}{'prefill hit':>13}"
           f"  {'prefill reqs':<14}{'decode reqs':<14}{'pulled tok':>11}{'D computed':>11}{'errors':>8}{'wrong':>7}"
           f"{'wall':>7}")
 
@@ -202,7 +208,7 @@ def _line(r: dict[str, Any]) -> str:
     def ms(s: float) -> str:
         return f"{s * 1000:>8.0f}ms"
 
-    return (f"{r['row']:<14}{ms(r['ttft_p50_s'])}{ms(r['ttft_p95_s'])}{ms(r['itl_p99_s'])}"
+    return (f"{r['row']:<24}{ms(r['ttft_p50_s'])}{ms(r['ttft_p95_s'])}{ms(r['itl_p99_s'])}"
             f"{r['prefill_hit_ratio']:>13.3f}  {'/'.join(map(str, r['prefill_requests'])):<14}"
             f"{'/'.join(map(str, r['decode_requests'])) or '-':<14}"
             f"{r['pulled_tokens']:>11}{r['decode_computed_tokens']:>11}"
@@ -217,7 +223,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     pool = pool_size(workload, 2, args.pool_ratio, clients=loop.clients if loop else 0,
                      kv_tokens=args.kv_tokens, block_size=BLOCK_SIZE, max_output=MAX_TOKENS)
     bodies = {r.rid: request_body(r, MODEL) for r in workload.requests}
-    fleet = start_fleet(pool.blocks, args.kv_transfer_s_per_token, args.time_scale)
+    fleet = start_fleet(pool.blocks, args.kv_transfer_s_per_token, args.time_scale, plain="direct" in args.rows)
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-pd-"))
     out: list[dict[str, Any]] = []
     try:
@@ -225,6 +231,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"\n{args.workload}: {len(bodies)} requests; {pool.describe()}\n{HEADER}", flush=True)
         for name in args.rows:
             r = asyncio.run(run_row(name, fleet, workload, bodies, workdir, args))
+            if name == "vllm-router" and args.vllm_router_policy != "round_robin":
+                r["row"] = f"{name}:{args.vllm_router_policy}"
             texts = r.pop("texts")
             r["wrong"] = sum(1 for rid, text in texts.items() if text != right[rid])
             print(_line(r), flush=True)
@@ -251,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-transfer-s-per-token", type=float, default=TRANSFER_S_PER_TOKEN)
     p.add_argument("--time-scale", type=float, default=0.5,
                    help="the replicas' --time-scale (0.5: a row of 160 requests in about 15 s)")
+    p.add_argument("--vllm-router-policy", default="round_robin", choices=VLLM_ROUTER_POLICIES,
+                   help="the vllm-router row's --policy (prefill and decode alike)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="pd.json goes here")
     args = p.parse_args(argv)
     unknown = [r for r in args.rows if r not in ROWS]

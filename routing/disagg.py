@@ -118,12 +118,14 @@ def decide(t: Terms) -> Decision:
     # One rule, ``wait < headroom`` (remote_s < local_s + stall_s); the reason says which of
     # the two conditions failed. Below the threshold headroom is at most 0 unless the prefill
     # replica holds more of the prompt than the decode replica (a warmer prefill side may pay).
+    # Ties go local (one leg, not two), and so does a gain within rounding of the sums above.
+    margin = 1e-9 * (local_s + stall_s)
     if uncached_d <= 0.0:
         reason = "nothing_uncached"
-    elif headroom <= 0.0:
+    elif headroom <= margin:
         # Past the threshold with no gain: the prefill replica would compute more than the decode one.
         reason = "below_threshold" if uncached_d <= threshold else "prefill_colder"
-    elif wait >= headroom:
+    elif wait >= headroom - margin:
         reason = "prefill_queue"
     else:
         reason = "remote"

@@ -182,3 +182,20 @@ def test_status_metrics_and_explain_show_the_pd_fleet(fleet: PDStack) -> None:
     assert {"uncached_decode", "uncached_prefill", "rate_decode", "transfer_s_per_token", "leg_s"} <= terms
     assert {"local_s", "stall_s", "remote_s", "threshold", "headroom_s"} <= set(pd_row["figures"])
 
+
+
+def test_the_pd_mode_changes_at_run_time_and_the_policy_keeps_what_it_learned(fleet: PDStack) -> None:
+    rt, headers = fleet.runtime, {"authorization": "Bearer pd-admin-token"}
+    policy = rt.policy
+    try:
+        r = httpx.patch(fleet.admin.url + "/admin/routing", json={"disaggregation": "selective"}, headers=headers,
+                        timeout=5)
+        assert r.status_code == 200 and r.json()["disaggregation"] == "selective"
+        assert rt.settings.routing.disaggregation == "selective" and rt.policy is policy
+        assert fleet.admin_get("/admin/status")["disaggregation"]["mode"] == "selective"
+        bad = httpx.patch(fleet.admin.url + "/admin/routing", json={"disaggregation": "sometimes"}, headers=headers,
+                          timeout=5)
+        assert bad.status_code == 400
+    finally:
+        httpx.patch(fleet.admin.url + "/admin/routing", json={"disaggregation": "always"}, headers=headers, timeout=5)
+    assert rt.settings.routing.disaggregation == "always"

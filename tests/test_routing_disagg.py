@@ -106,6 +106,14 @@ def test_a_dearer_transfer_never_turns_local_into_remote(t: Terms, more: float) 
         assert not decide(dearer).remote
 
 
+def test_an_exact_break_even_stays_local_whatever_the_rounding() -> None:
+    # saved_per_token is exactly 0 here (1 + d - t - 1 with t = d), the sums' rounding is not.
+    d = 0.8560496453132092
+    t = Terms(uncached_decode=0.8125, uncached_prefill=0.8125, rate_decode=1.0, rate_prefill=1.0, decoding=d,
+              prefill_wait_s=0.0, transfer_s_per_token=d, leg_s=0.0)
+    assert not decide(t).remote
+
+
 @settings(max_examples=300, deadline=None)
 @given(terms_st)
 def test_below_the_threshold_an_idle_cold_prefill_side_never_pays(t: Terms) -> None:

@@ -325,3 +325,29 @@ def test_an_aborted_prefill_leg_frees_its_blocks_and_returns_nothing() -> None:
         assert stats["engine_requests"] == 1
         assert stats["kv_held_requests"] == 0 and stats["kv_transfer"]["remote_prefills"] == 0
         assert stats["kv_cache_usage_perc"] == 0.0 and stats["num_cached_blocks"] > 0  # prefilled, then freed
+
+
+def test_a_decode_leg_retried_with_the_same_params_reads_freed_blocks(pd: tuple[PDSim, ...]) -> None:
+    """The first read freed the prefill's blocks; a second is vLLM's 'unrecognized request': right
+    while they stay cached there, wrong once they are reused."""
+    p, d, plain = pd
+    body = completion(token_prompt(41, 3))
+    expected = text_of(post(plain.url, "/v1/completions", body).json())
+    params = post(p.url, "/v1/completions", prefill_body(body)).json()["kv_transfer_params"]
+    before = p.stats()["kv_transfer"]["notifications_after_expiry"]
+    for _ in range(2):  # read, then read again
+        assert text_of(post(d.url, "/v1/completions", decode_body(body, params)).json()) == expected
+    assert p.stats()["kv_transfer"]["notifications_after_expiry"] == before + 1
+
+
+def test_without_the_prefills_hit_the_decode_reports_local_and_pulled_tokens_as_cached(
+        pd: tuple[PDSim, ...]) -> None:
+    """vLLM's OutputProcessor reports remote_prefill_cached_tokens when the params carry it, else the
+    decode's PrefillStats: local plus pulled tokens, the whole prompt."""
+    p, d, _ = pd
+    body = completion(token_prompt(51, 3))
+    params = post(p.url, "/v1/completions", prefill_body(body)).json()["kv_transfer_params"]
+    assert params["remote_prefill_cached_tokens"] == 0
+    stripped = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+    usage = post(d.url, "/v1/completions", decode_body(body, stripped)).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] == len(body["prompt"])

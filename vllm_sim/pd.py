@@ -10,6 +10,13 @@ KV moves by NIXL reads; one HTTP call stands in for both).
 
 What vLLM 0.33 does, and where (paths under ``vllm/``):
 
+- The router's steps are those of vLLM's toy proxy
+  (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` in vLLM's repository;
+  not in the wheel), and of ``vllm-router --vllm-pd-disaggregation`` (what it sends:
+  ``bench/vllm_router.py``): the prefill leg with ``do_remote_decode`` true, the other
+  fields null, ``stream`` false and ``max_tokens`` 1; the decode leg with the params the
+  prefill returned.
+
 - The params are a request field (``kv_transfer_params: dict | None``) of chat and
   completions (``entrypoints/openai/chat_completion/protocol.py``,
   ``completion/protocol.py``), responses (``responses/protocol.py``) and Anthropic messages
@@ -55,7 +62,8 @@ What vLLM 0.33 does, and where (paths under ``vllm/``):
   goes on with whatever the blocks hold. Freed blocks keep their content until reused,
   so the simulator answers right while the prefill's pool still caches the blocks, and
   otherwise (evicted, or a request id it never held) with another, wrong, reply: what a
-  router's wrong-answer check should catch.
+  router's wrong-answer check should catch. A second read of blocks already read and
+  freed (a decode leg retried with the same params) is the same case.
 - The decode's ``cached_tokens`` is the prefill's ``remote_prefill_cached_tokens`` when
   the params carry it (``v1/engine/output_processor.py``), else local plus pulled
   tokens. Pulled tokens count in ``vllm:external_prefix_cache_queries``/``_hits``, the
@@ -68,9 +76,12 @@ are 1), heartbeats, the push mode (``NixlPushConnector``), bidirectional transfe
 prefill's trailing-token backoff (0 for plain attention models).
 
 Roles (``--role``): "both" accepts both kinds of params, as vLLM's ``kv_both``; "prefill"
-refuses ``do_remote_prefill`` and "decode" refuses ``do_remote_decode`` with a 400, where a
+refuses ``do_remote_prefill`` and "decode" refuses ``do_remote_decode`` with a 400, where
+vLLM's connector does not look at the role per request (``nixl/pull_scheduler.py``) and a
 real ``kv_producer``/``kv_consumer`` would misbehave quietly: a test should learn that a
-router sent a leg to the wrong side. All roles serve plain requests.
+router sent a leg to the wrong side. All roles serve plain requests, as vLLM does. (vLLM
+0.33 warns that ``kv_both`` with NixlConnector is deprecated in favour of ``kv_producer``
+for prefill instances and ``kv_consumer`` for decode ones: ``nixl/connector.py``.)
 """
 
 from __future__ import annotations
@@ -106,8 +117,9 @@ REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_p
 _GONE = 410
 # vllm:nixl_xfer_time_seconds's bounds (nixl/stats.py, NixlPromMetrics).
 XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
-# Expired requests remembered, so a late read can tell whether their blocks were reused.
-_EXPIRED_KEPT = 1024
+# Released requests (read, or their lease expired) remembered, so a late read can tell
+# whether their blocks were reused since.
+_RELEASED_KEPT = 1024
 
 
 class PullFailed(Exception):
@@ -169,7 +181,7 @@ class PD:
         # Each pull's duration (scaled seconds), as vllm:nixl_xfer_time_seconds.
         self.xfer_seconds = Histogram(XFER_TIME_BUCKETS)
         self._held: dict[str, _Held] = {}
-        self._expired: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._released: OrderedDict[str, list[bytes]] = OrderedDict()
         # Block ids for the params: the simulator's blocks have hashes, not addresses.
         self._ids = itertools.count()
         self._client: httpx.AsyncClient | None = None
@@ -245,10 +257,13 @@ class PD:
         if held is not None:
             log.warning("Releasing expired KV blocks for request %s", request_id)
             self.stats.kv_expired_reqs += 1
-            self._free(held)
-            self._expired[request_id] = [h for a in held.allocations for h in a.pinned]
-            if len(self._expired) > _EXPIRED_KEPT:
-                self._expired.popitem(last=False)
+            self._release(request_id, held)
+
+    def _release(self, request_id: str, held: _Held) -> None:
+        self._free(held)
+        self._released[request_id] = [h for a in held.allocations for h in a.pinned]
+        if len(self._released) > _RELEASED_KEPT:
+            self._released.popitem(last=False)
 
     def _free(self, held: _Held) -> None:
         if held.timer is not None:
@@ -268,12 +283,12 @@ class PD:
             log.error("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode "
                       "worker. They may have expired.", body["request_id"])
             self.stats.notifications_after_expiry += 1
-            hashes = self._expired.pop(body["request_id"], None)
+            hashes = self._released.get(body["request_id"])
             if hashes is not None and self.pool.match(hashes) == len(hashes):
                 return 200, {"after_expiry": True}  # freed but not reused yet: the KV is still right
             return _GONE, {"error": "unrecognized request: its blocks may have expired"}
         self.stats.reads += 1
-        self._free(held)
+        self._release(body["request_id"], held)
         return 200, {"block_ids": held.block_ids}
 
     # -- decode side -----------------------------------------------------------------------

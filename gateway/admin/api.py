@@ -67,6 +67,7 @@ class PurgeIn(_Body):
 class RoutingIn(_Body):
     policy: str | None = Field(None, pattern=r"^(prefix_affinity|ttft|least_load|round_robin|consistent_hash|cost)$")
     epsilon: float | None = Field(None, ge=0, le=10)
+    disaggregation: Literal["selective", "always"] | None = None
 
 
 def _err(err: GatewayError) -> Response:
@@ -176,7 +177,7 @@ def _routes(rt: Runtime) -> list[Route]:
 
     async def set_routing(request: Request) -> Response:
         body = await _json(request, RoutingIn)
-        operations.set_routing(rt, policy=body.policy, epsilon=body.epsilon)
+        operations.set_routing(rt, policy=body.policy, epsilon=body.epsilon, disaggregation=body.disaggregation)
         return JSONResponse(operations.routing_stats(rt))
 
     async def explain_route(request: Request) -> Response:

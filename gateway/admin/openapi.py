@@ -70,7 +70,9 @@ _SCHEMAS: dict[str, Any] = {
         "policy": {"type": "string", "nullable": True,
                    "enum": ["prefix_affinity", "ttft", "least_load", "round_robin", "consistent_hash", "cost"],
                    "description": "cost: the former name of prefix_affinity"},
-        "epsilon": {"type": "number", "minimum": 0, "maximum": 10, "nullable": True}}},
+        "epsilon": {"type": "number", "minimum": 0, "maximum": 10, "nullable": True},
+        "disaggregation": {"type": "string", "enum": ["selective", "always"], "nullable": True,
+                           "description": "P/D fleets: remote prefill when it pays, or always"}}},
     "ExplainIn": {"type": "object", "additionalProperties": False, "required": ["body"], "properties": {
         "endpoint": {"type": "string", "enum": ["chat", "completions"]},
         "tenant": {**_NAME, "nullable": True},
@@ -122,7 +124,7 @@ def openapi_document() -> dict[str, Any]:
         "/admin/replicas/{name}/undrain": {"post": _op("Undrain", "200", schema=_OBJ, errors=("404",),
                                                        params=list(r))},
         "/admin/routing": {"get": _op("Routing policy and affinity statistics", "200", schema=_OBJ),
-                           "patch": _op("Change policy or epsilon", "200", schema=_OBJ, body="RoutingIn",
+                           "patch": _op("Change policy, epsilon or the P/D mode", "200", schema=_OBJ, body="RoutingIn",
                                         errors=("400",))},
         "/admin/routing/explain": {"post": _op("Every replica's predicted time to first token for a request, "
                                                "its terms and rails, the pick first; on a P/D fleet, remote "

@@ -39,21 +39,25 @@ async def add_replica(rt: Runtime, name: str, url: str, *, weight: float = 1.0,
     rt.sync_kv_events()
 
 
-def set_routing(rt: Runtime, *, policy: str | None, epsilon: float | None) -> None:
+def set_routing(rt: Runtime, *, policy: str | None, epsilon: float | None,
+                disaggregation: str | None = None) -> None:
     update: dict[str, Any] = {}
     if policy is not None:
         update["policy"] = "prefix_affinity" if policy == "cost" else policy  # its former name
     if epsilon is not None:
         update["epsilon"] = epsilon
-    if update:
-        routing = rt.settings.routing.model_copy(update=update)
+    if update or disaggregation is not None:
+        routing = rt.settings.routing.model_copy(
+            update={**update, **({"disaggregation": disaggregation} if disaggregation is not None else {})})
         rt.settings = rt.settings.model_copy(update={"routing": routing})
-        rt.policy = rt.make_policy(routing)
+        if update:  # the P/D mode is read per request (gateway.proxy.disagg): the policy keeps what it learned
+            rt.policy = rt.make_policy(routing)
 
 
 def routing_stats(rt: Runtime) -> dict[str, Any]:
     stats = getattr(rt.policy, "stats", None)
     out: dict[str, Any] = {"policy": rt.policy.name, "epsilon": rt.settings.routing.epsilon,
+                           "disaggregation": rt.settings.routing.disaggregation,
                            # Whether the decision runs compiled (routing._native): half the cost.
                            "compiled": routing_native.compiled(),
                            # prefer + observe per request, timed inside this process.
