@@ -38,12 +38,15 @@ from bench.chaos_fleet import Fleet, start_fleet
 __all__ = ["BY_NAME", "ROLES", "SCENARIOS", "start_pd_fleet"]
 
 ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
+# A KV pool of 128 blocks (2048 tokens; a chaos prompt takes 4 or 5): blocks freed once a decode
+# has read them are reused within a second, as on a busy prefill instance, so a decode that
+# reads them again (a retry with the same params) gets a wrong answer, as from vLLM.
+PD_SIM_FLAGS = {**SIM_FLAGS, "kv_blocks": 128}
 PD_GATEWAY: dict[str, Any] = {**GATEWAY, "routing": {**GATEWAY["routing"], "disaggregation": "always"}}
-DECODES = [name for name, role in ROLES.items() if role == "decode"]
 
 
 def start_pd_fleet() -> Fleet:
-    return start_fleet(roles=ROLES, sim_flags=SIM_FLAGS, gateway=PD_GATEWAY)
+    return start_fleet(roles=ROLES, sim_flags=PD_SIM_FLAGS, gateway=PD_GATEWAY)
 
 
 def _replica_served(t: Tally) -> int:
@@ -77,28 +80,41 @@ def _transfer_refused(t: Tally) -> str | None:
                      "kvgate never prefilled a refused decode again"))
 
 
-async def _failed_transfers(ctx: Ctx) -> int:
-    total = 0
-    for name in DECODES:
-        r = await ctx.control.get(ctx.fleet.sim(name).url + "/sim/stats")
-        total += int(r.json()["kv_transfer"]["failed_transfers"])
-    return total
+class SimCount:
+    """A P/D counter of the simulators of one role (``/sim/stats``), counted across the load:
+    ``before`` as a setup, ``after`` as an undo; the difference goes in the tally's facts."""
+
+    def __init__(self, role: str, key: str, what: str) -> None:
+        self.role, self.key, self.what = role, key, what
+
+    async def _now(self, ctx: Ctx) -> int:
+        total = 0
+        for sim in ctx.fleet.sims:
+            if sim.flags.get("role") == self.role:
+                r = await ctx.control.get(sim.url + "/sim/stats")
+                total += int(r.json()["kv_transfer"][self.key])
+        return total
+
+    async def before(self, ctx: Ctx) -> None:
+        ctx.tally.facts[self.key + "_before"] = await self._now(ctx)
+
+    async def after(self, ctx: Ctx) -> None:
+        n = ctx.tally.facts[self.key] = await self._now(ctx) - ctx.tally.facts[self.key + "_before"]
+        ctx.tally.notes.append(f"{n} {self.what}")
 
 
-async def _count_pulls(ctx: Ctx) -> None:
-    ctx.tally.facts["failed_transfers_before"] = await _failed_transfers(ctx)
-
-
-async def _count_failed_pulls(ctx: Ctx) -> None:
-    """The decode replicas' refused pulls during the load (vllm:nixl_num_failed_transfers)."""
-    facts = ctx.tally.facts
-    facts["failed_transfers"] = await _failed_transfers(ctx) - facts["failed_transfers_before"]
-    ctx.tally.notes.append(f"decode replicas refused {facts['failed_transfers']} pulls")
+# vllm:nixl_num_failed_transfers on the decode side.
+FAILED_PULLS = SimCount("decode", "failed_transfers", "pulls refused by the decode replicas")
+# vllm:nixl_num_notifications_after_expiry on the prefill side: blocks read after they were freed,
+# by a decode leg retried with params another decode replica had already pulled (right only
+# while the freed blocks are not yet reused).
+REREADS = SimCount("prefill", "notifications_after_expiry",
+                   "reads of prefill blocks already freed (a decode leg retried with pulled params)")
 
 
 async def _refuse_p1_transfers(ctx: Ctx) -> None:
     p1, p2 = ctx.fleet.sim("p1"), ctx.fleet.sim("p2")
-    await _count_pulls(ctx)
+    await FAILED_PULLS.before(ctx)
     p1.flags["side_channel_port"] = p2.port
     await asyncio.to_thread(p1.restart)
     ctx.tally.notes.append(f"p1 restarted with its side channel on p2's port {p2.port}: its params name "
@@ -106,18 +122,19 @@ async def _refuse_p1_transfers(ctx: Ctx) -> None:
 
 
 async def _restore_p1(ctx: Ctx) -> None:
-    await _count_failed_pulls(ctx)
+    await FAILED_PULLS.after(ctx)
     p1 = ctx.fleet.sim("p1")
     del p1.flags["side_channel_port"]
     await asyncio.to_thread(p1.restart)
 
 
 SCENARIOS: list[Scenario] = [
-    Scenario("pd_baseline", "no fault", setup=_count_pulls, undo=_count_failed_pulls, exercised=_baseline),
+    Scenario("pd_baseline", "no fault", setup=FAILED_PULLS.before, undo=FAILED_PULLS.after, exercised=_baseline),
     Scenario("prefill_killed", "the busiest prefill replica SIGKILLed under load, restarted at 60%",
              act=lambda ctx: kill_busiest(ctx, role="prefill"), exercised=_felt),
     Scenario("decode_killed", "the busiest decode replica SIGKILLed with streams open, restarted at 60%",
-             act=lambda ctx: kill_busiest(ctx, role="decode"), exercised=_decode_killed),
+             setup=REREADS.before, act=lambda ctx: kill_busiest(ctx, role="decode"), undo=REREADS.after,
+             exercised=_decode_killed),
     Scenario("transfer_refused", "every pull of p1's blocks refused (engine ID mismatch); p1 restored after",
              setup=_refuse_p1_transfers, undo=_restore_p1, exercised=_transfer_refused),
 ]

@@ -30,10 +30,11 @@ def _body(text: str) -> dict[str, Any]:
     "gateway/proxy/upstream.py:31 counts httpx.RemoteProtocolError/ReadError (a connection dropped after the "
     "request was sent) as 'refused', and gateway/proxy/disagg.py:248 then sends the decode leg to the next "
     "decode replica with the same kv_transfer_params; the first one had already pulled them, the prefill "
-    "freed the blocks, and the second reads freed blocks: a wrong answer"))
+    "freed the blocks, and the second reads freed blocks: a wrong answer once they are reused"))
 def test_a_decode_replica_dying_after_its_pull_is_not_retried_with_the_same_params() -> None:
     # Both decodes hold each request 3 s after pulling (a unary answer sends no byte before its end);
     # the one that pulled is SIGKILLed then: kvgate meets a dropped connection, not a refused one.
+    # Before that p1 drops its cache: the freed blocks reused, as on a busy prefill replica.
     fleet = start_fleet(roles={"p1": "prefill", "d1": "decode", "d2": "decode"}, with_redis=False,
                         gateway={"routing": {"disaggregation": "always"}, "timeouts": {"first_byte_s": 20.0},
                                  "pool": {"health_interval_s": 60.0}})
@@ -51,6 +52,7 @@ def test_a_decode_replica_dying_after_its_pull_is_not_retried_with_the_same_para
                               if httpx.get(s.url + "/sim/stats").json()["kv_transfer"]["transfers"]]):
             assert time.monotonic() < deadline, "no decode replica pulled the blocks"
             time.sleep(0.02)
+        httpx.post(fleet.sim("p1").url + "/sim/reset").raise_for_status()
         pulled[0].kill()
         sender.join(30)
         r = answer["r"]
