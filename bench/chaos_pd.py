@@ -42,7 +42,7 @@ ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
 # has read them are reused within a second, as on a busy prefill instance, so a decode that
 # reads them again (a retry with the same params) gets a wrong answer, as from vLLM.
 PD_SIM_FLAGS = {**SIM_FLAGS, "kv_blocks": 128}
-PD_GATEWAY: dict[str, Any] = {**GATEWAY, "routing": {**GATEWAY["routing"], "disaggregation": "always"}}
+PD_GATEWAY: dict[str, Any] = {**GATEWAY, "routing": {"share_index": True, "disaggregation": "always"}}
 
 
 def start_pd_fleet() -> Fleet:

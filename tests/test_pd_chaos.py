@@ -28,7 +28,7 @@ def _body(text: str) -> dict[str, Any]:
 
 @pytest.mark.xfail(strict=True, reason=(
     "gateway/proxy/upstream.py:31 counts httpx.RemoteProtocolError/ReadError (a connection dropped after the "
-    "request was sent) as 'refused', and gateway/proxy/disagg.py:248 then sends the decode leg to the next "
+    "request was sent) as 'refused', and gateway/proxy/disagg.py:251 then sends the decode leg to the next "
     "decode replica with the same kv_transfer_params; the first one had already pulled them, the prefill "
     "freed the blocks, and the second reads freed blocks: a wrong answer once they are reused"))
 def test_a_decode_replica_dying_after_its_pull_is_not_retried_with_the_same_params() -> None:
@@ -64,7 +64,7 @@ def test_a_decode_replica_dying_after_its_pull_is_not_retried_with_the_same_para
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "gateway/proxy/pool.py:256 (_eject) never ejects the last available replica, but counts replicas of "
+    "gateway/proxy/pool.py:257 (_eject) never ejects the last available replica, but counts replicas of "
     "every role: the only decode replica is ejected because a prefill replica is still available, and "
     "every request then gets 503 'no healthy replica' though the decode replica is back"))
 def test_the_last_decode_replica_is_never_ejected() -> None:
