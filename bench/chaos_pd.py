@@ -9,22 +9,22 @@ same ``role`` (docs/disaggregation.md). Each scenario hits one step of the three
     decode_killed      the busiest decode replica SIGKILLed with streams open, started again at 60%
     transfer_refused   p1 keeps prefilling, but every decode's pull of its blocks is refused
 
-    python -m bench.chaos --pd                                  # all four, ~1 minute on 2 cores
+    python -m bench.chaos --pd                                  # all four, ~40 s on 2 cores
     python -m bench.chaos --pd --scenarios transfer_refused --duration 3
 
 ``transfer_refused``: the simulator has no fault that refuses a transfer in a running
 replica (``/sim/faults`` acts on whole responses and streams; a short ``--kv-lease-s`` does not
 refuse either: as vLLM 0.33, a decode reading expired blocks goes on with whatever they hold,
-a wrong answer no router can see). The lever is a restart: p1 comes back with
+right while they stay cached and wrong once reused, and no router can tell). The lever is a restart: p1 comes back with
 ``--side-channel-port`` naming p2's port, so the params it returns name an engine that the
 side channel at their address does not run. Each decode's pull is refused ("engine ID
 mismatch"), the decode replica answers 500 before its first byte (vLLM's default
 ``kv_load_failure_policy: fail``), and kvgate must prefill again elsewhere. After the load p1
 is started again as it was.
 
-Routing runs with ``disaggregation: always``: every request that reaches a replica crosses a
-prefill replica, so each fault meets the P/D path at once (with ``selective`` the chaos
-workload's short prompts may stay local, and a fault on the prefill side would go unseen).
+Routing runs with ``disaggregation: always``, as vLLM's own P/D router: every request that
+reaches a replica crosses a prefill replica, so each fault meets the P/D path at once (at
+``selective`` one 6 s pd_baseline decided 306 remote and 17 local).
 """
 
 from __future__ import annotations
