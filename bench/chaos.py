@@ -14,6 +14,7 @@ against the one right answer (``bench.chaos_check``):
     python -m bench.chaos                                   # all scenarios, ~3 minutes on 2 cores
     python -m bench.chaos --quick                           # shorter and lighter
     python -m bench.chaos --scenarios baseline garbage_sse --duration 4 --concurrency 16
+    python -m bench.chaos --pd                              # the P/D fleet and scenarios (bench.chaos_pd)
 
 Exits 1 when any request was lost or wrong. Timeouts are small on purpose
 (first_byte_s 1, stall_s 1) so slow-upstream faults trip them within seconds.
@@ -34,7 +35,7 @@ import httpx
 import orjson
 
 from bench.chaos_check import Expected, Verdict, expected_answer, judge_stream, judge_unary
-from bench.chaos_fleet import MODEL, Fleet, metric_sum, parse_metrics, start_fleet
+from bench.chaos_fleet import MODEL, Fleet, parse_metrics, start_fleet
 
 API_KEY = "sk-kvg-chaos-run-key-0000000000000000"
 SIM_FLAGS = {"decode_base_s": 0.02, "decode_s_per_seq": 0.0005, "max_num_seqs": 64}
@@ -170,6 +171,14 @@ class Tally:
     notes: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what the fault script observed
     settle_s: float = 0.0
+    deltas: dict[str, float] = field(default_factory=dict)  # kvgate's /metrics series, after less before
+    unexercised: str | None = None  # the scenario's ``exercised`` verdict: why the fault was not hit
+
+    def delta(self, name: str, **labels: str) -> float:
+        """How much the series ``name`` with these labels (any others) grew during the load."""
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        return sum(v for k, v in self.deltas.items()
+                   if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
 
     def count(self, kind: str) -> int:
         return sum(1 for r in self.results if r.verdict.kind == kind)
@@ -263,6 +272,7 @@ class Scenario:
     what: str
     setup: Script = _nothing  # before the load starts
     act: Script = _nothing  # alongside the load, from t0
+    undo: Script = _nothing  # once the load has ended, before the metrics are read
     # Returns why the fault was not exercised, or None when it was.
     exercised: Callable[[Tally], str | None] = lambda t: None
 
@@ -280,24 +290,26 @@ async def _restart_r2_later(ctx: Ctx) -> None:
     await asyncio.to_thread(ctx.fleet.sim("r2").start)
 
 
-async def _busiest(ctx: Ctx, until: float) -> tuple[str, float]:
-    """The replica with the most requests in flight through kvgate (polled until one has some)."""
+async def _busiest(ctx: Ctx, until: float, role: str | None = None) -> tuple[str, float]:
+    """The replica (of ``role``, when given) with the most requests in flight through kvgate
+    (polled until one has some)."""
     while True:
         metrics = await ctx.metrics()
         flights = {s.name: metrics.get(f'kvgate_replica_in_flight{{replica="{s.name}"}}', 0.0)
-                   for s in ctx.fleet.sims if s.alive}
+                   for s in ctx.fleet.sims if s.alive and role in (None, s.flags.get("role"))}
         name = max(flights, key=lambda n: flights[n])
         if flights[name] > 0 or time.monotonic() >= until:
             return name, flights[name]
         await asyncio.sleep(0.02)
 
 
-async def _kill_busiest_midstream(ctx: Ctx) -> None:
+async def kill_busiest(ctx: Ctx, role: str | None = None) -> None:
+    """SIGKILL the busiest replica (of ``role``) once the load runs; start it again at 60%."""
     await ctx.at(min(1.0, 0.3 * ctx.duration))
-    name, inflight = await _busiest(ctx, until=ctx.t0 + 0.5 * ctx.duration)
+    name, inflight = await _busiest(ctx, until=ctx.t0 + 0.5 * ctx.duration, role=role)
     sim = ctx.fleet.sim(name)
     sim.kill()
-    ctx.tally.facts["in_flight_at_kill"] = inflight
+    ctx.tally.facts.update(killed=name, in_flight_at_kill=inflight)
     ctx.tally.notes.append(f"{name} SIGKILLed with {inflight:.0f} requests in flight through kvgate")
     await ctx.at(0.6 * ctx.duration)
     await asyncio.to_thread(sim.start)
@@ -378,7 +390,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("replica_refused", "r2 SIGKILLed while idle (connection refused), restarted at 60%",
              setup=_kill_r2, act=_restart_r2_later, exercised=lambda t: _need(t.retries > 0, "no retry")),
     Scenario("replica_killed_midstream", "the busiest replica SIGKILLed with streams open, restarted at 60%",
-             act=_kill_busiest_midstream,
+             act=kill_busiest,
              exercised=lambda t: _need(t.detail_count("error event after tokens") > 0, "no stream cut mid-way")),
     Scenario("flapping_replica", "r3 error_rate toggles 1.0 / 0.0 every 0.5 s", act=_flap_r3, exercised=_clean),
     Scenario("redis_refused", "Redis killed before the load, back at 60%", setup=_redis_down,
@@ -457,9 +469,12 @@ async def run_scenario(fleet: Fleet, scenario: Scenario, workload: Workload, cli
     results, _ = await asyncio.gather(run_load(client, url, workload, duration=duration, concurrency=concurrency),
                                       scenario.act(ctx))
     tally.results = results
+    await scenario.undo(ctx)
     after = await ctx.metrics()
-    tally.retries = metric_sum(after, "kvgate_retries_total") - metric_sum(before, "kvgate_retries_total")
-    tally.ejections = metric_sum(after, "kvgate_ejections_total") - metric_sum(before, "kvgate_ejections_total")
+    tally.deltas = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    tally.retries = tally.delta("kvgate_retries_total")
+    tally.ejections = tally.delta("kvgate_ejections_total")
+    tally.unexercised = scenario.exercised(tally)
     if fleet.gateway.proc.poll() is not None:
         tally.notes.append(f"kvgate exited with {fleet.gateway.proc.returncode}:\n{fleet.gateway.log_tail()}")
     return tally
@@ -490,15 +505,29 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
+def _pd_columns(t: Tally) -> tuple[str, str]:
+    """P/D decisions (remote/local) and fallbacks (prefill retry/local, decode retry)."""
+    def n(name: str, **labels: str) -> str:
+        return f"{t.delta(name, **labels):.0f}"
+    decisions = "/".join(n("kvgate_pd_decisions_total", decision=d) for d in ("remote", "local"))
+    fallbacks = "/".join(n("kvgate_pd_fallbacks_total", leg=leg, fallback=to)
+                         for leg, to in (("prefill", "retry"), ("prefill", "local"), ("decode", "retry")))
+    return decisions, fallbacks
+
+
 def format_table(tallies: list[Tally]) -> str:
+    # A P/D fleet's run adds its decisions and fallbacks (kvgate_pd_* on /metrics).
+    pd = any(t.delta("kvgate_pd_decisions_total") for t in tallies)
     head = ("scenario", "sent", "ok", "clean errors", "lost", "wrong", "p50/p99 ms (ok)", "cache hits",
-            "retries", "ejections", "fault exercised")
+            "retries", "ejections", *(("P/D remote/local", "P/D fallbacks P retry/P local/D retry") if pd else ()),
+            "fault exercised")
     rows = [head]
     for t in tallies:
-        why = BY_NAME[t.scenario].exercised(t) if t.scenario in BY_NAME else None
+        why = t.unexercised
         rows.append((t.scenario, str(t.sent), str(t.ok), str(t.clean), str(t.lost), str(t.wrong),
                      f"{_ms(t.latency_ms(0.5))}/{_ms(t.latency_ms(0.99))}", str(t.cache_hits),
-                     f"{t.retries:.0f}", f"{t.ejections:.0f}", "yes" if why is None else f"NO: {why}"))
+                     f"{t.retries:.0f}", f"{t.ejections:.0f}", *(_pd_columns(t) if pd else ()),
+                     "yes" if why is None else f"NO: {why}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -520,15 +549,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=None, help="seconds of load per scenario (default 6)")
     parser.add_argument("--concurrency", type=int, default=None, help="concurrent clients (default 32)")
-    parser.add_argument("--scenarios", nargs="+", choices=sorted(BY_NAME), help="run only these")
+    parser.add_argument("--scenarios", nargs="+", metavar="NAME", help="run only these")
     parser.add_argument("--quick", action="store_true", help="3 s per scenario, 12 clients")
+    parser.add_argument("--pd", action="store_true",
+                        help="a P/D fleet (2 prefill, 2 decode replicas) and its scenarios (bench.chaos_pd)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     duration = args.duration or (3.0 if args.quick else 6.0)
     concurrency = args.concurrency or (12 if args.quick else 32)
-    scenarios = [BY_NAME[n] for n in args.scenarios] if args.scenarios else SCENARIOS
+    if args.pd:
+        from bench import chaos_pd  # imported here: it builds on this module
+
+        by_name, everything, start = chaos_pd.BY_NAME, chaos_pd.SCENARIOS, chaos_pd.start_pd_fleet
+    else:
+        by_name, everything = BY_NAME, SCENARIOS
+        start = lambda: start_fleet(replicas=4, sim_flags=SIM_FLAGS, gateway=GATEWAY)  # noqa: E731
+    unknown = sorted(set(args.scenarios or ()) - set(by_name))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; {'--pd ' if args.pd else ''}choices: {sorted(by_name)}")
+    scenarios = [by_name[n] for n in args.scenarios] if args.scenarios else everything
     started = time.monotonic()
-    fleet = start_fleet(replicas=4, sim_flags=SIM_FLAGS, gateway=GATEWAY)
+    fleet = start()
     try:
         print(f"fleet up in {time.monotonic() - started:.1f} s: kvgate {fleet.gateway.url}, "
               f"replicas {[s.url for s in fleet.sims]}, redis {fleet.redis.url if fleet.redis else '-'}",

@@ -202,7 +202,9 @@ def kvgate_config(port: int, sims: list[Sim], **sections: Any) -> dict[str, Any]
     config: dict[str, Any] = {
         "listen": {"host": HOST, "port": port},
         "admin": {"enabled": False},
-        "replicas": [{"name": s.name, "url": s.url, "models": [MODEL]} for s in sims],
+        # A sim started with a P/D ``role`` has the same role in kvgate.
+        "replicas": [{"name": s.name, "url": s.url, "models": [MODEL],
+                      **({"role": s.flags["role"]} if "role" in s.flags else {})} for s in sims],
         "log_level": "warning",
         "shutdown_delay_s": 0,
         "shutdown_grace_s": 2,
@@ -211,9 +213,10 @@ def kvgate_config(port: int, sims: list[Sim], **sections: Any) -> dict[str, Any]
     return config
 
 
-def start_sims(names: list[str], flags: dict[str, Any]) -> list[Sim]:
-    """Start the replicas in parallel (each takes about a second to import and bind)."""
-    sims = [Sim(name, free_port(), dict(flags)) for name in names]
+def start_sims(names: list[str], flags: dict[str, Any], roles: dict[str, str] | None = None) -> list[Sim]:
+    """Start the replicas in parallel (each takes about a second to import and bind), each with its
+    ``--role`` from ``roles`` when given."""
+    sims = [Sim(name, free_port(), {**flags, **({"role": roles[name]} if roles else {})}) for name in names]
     with ThreadPoolExecutor(len(sims)) as pool:
         list(pool.map(Sim.start, sims))
     return sims
@@ -240,13 +243,15 @@ class Fleet:
 
 
 def start_fleet(*, replicas: int = 4, sim_flags: dict[str, Any] | None = None, with_redis: bool = True,
-                gateway: dict[str, Any] | None = None) -> Fleet:
-    """Replicas r1..rN, optionally Redis, then kvgate in front of them. Closes what it started on failure."""
+                gateway: dict[str, Any] | None = None, roles: dict[str, str] | None = None) -> Fleet:
+    """Replicas r1..rN (or, with ``roles``, one per name in its P/D role), optionally Redis, then
+    kvgate in front of them. Closes what it started on failure."""
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-chaos-"))
     sims: list[Sim] = []
     redis: RedisProc | None = None
     try:
-        sims = start_sims([f"r{i + 1}" for i in range(replicas)], sim_flags or {})
+        names = list(roles) if roles else [f"r{i + 1}" for i in range(replicas)]
+        sims = start_sims(names, sim_flags or {}, roles)
         sections = dict(gateway or {})
         if with_redis:
             redis = RedisProc().start()

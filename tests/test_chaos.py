@@ -1,6 +1,7 @@
 """Chaos and soak at small scale, through the same code as ``bench/chaos.py`` and ``bench/soak.py``.
 
-Real processes on loopback: four vllm_sim replicas, a private Redis and a
+Real processes on loopback: four vllm_sim replicas (or, for the P/D scenarios of
+``bench/chaos_pd.py``, 2 prefill and 2 decode replicas), a private Redis and a
 kvgate. Each scenario injects one fault under a few seconds of load; every
 response is judged against vllm_sim's deterministic answer. Nothing may be
 lost or wrong, and each scenario must show that its fault was really hit.
@@ -15,10 +16,10 @@ from typing import Iterator
 import orjson
 import pytest
 
-from bench import soak
-from bench.chaos import BY_NAME, GATEWAY, SIM_FLAGS, Tally, format_details, format_table, run_chaos
+from bench import chaos_pd, soak
+from bench.chaos import BY_NAME, GATEWAY, SIM_FLAGS, Scenario, Tally, format_details, format_table, run_chaos
 from bench.chaos_check import Expected, expected_answer, judge_stream, judge_unary
-from bench.chaos_fleet import start_fleet
+from bench.chaos_fleet import Fleet, start_fleet
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
@@ -27,26 +28,47 @@ FAST = ["baseline", "redis_hung", "redis_restarted", "replica_refused", "replica
         "stall_mid_stream", "garbage_sse"]
 
 
-@pytest.fixture(scope="module")
-def tallies() -> Iterator[dict[str, Tally]]:
-    fleet = start_fleet(replicas=4, sim_flags=SIM_FLAGS, gateway=GATEWAY)
+# Wrong answers the P/D run meets until gateway/ is fixed, each pinned by a strict xfail in test_pd_chaos.py.
+KNOWN_WRONG = {"decode_killed": "test_a_decode_replica_dying_after_its_pull_is_not_retried_with_the_same_params"}
+
+
+def _run(fleet: Fleet, scenarios: list[Scenario], duration: float) -> dict[str, Tally]:
     try:
-        done = asyncio.run(run_chaos(fleet, [BY_NAME[n] for n in FAST], duration=2.5, concurrency=12, seed=7))
+        done = asyncio.run(run_chaos(fleet, scenarios, duration=duration, concurrency=12, seed=7))
     finally:
         fleet.close()
     print("\n" + format_table(done) + "\n" + format_details(done))
-    yield {t.scenario: t for t in done}
+    return {t.scenario: t for t in done}
+
+
+@pytest.fixture(scope="module")
+def tallies() -> Iterator[dict[str, Tally]]:
+    yield _run(start_fleet(replicas=4, sim_flags=SIM_FLAGS, gateway=GATEWAY), [BY_NAME[n] for n in FAST], 2.5)
+
+
+@pytest.fixture(scope="module")
+def pd_tallies() -> Iterator[dict[str, Tally]]:
+    yield _run(chaos_pd.start_pd_fleet(), chaos_pd.SCENARIOS, 2.0)
+
+
+def _loses_nothing_and_serves_nothing_wrong(t: Tally) -> None:
+    report = format_table([t]) + "\n" + format_details([t])
+    assert t.sent > 10, report
+    assert t.lost == 0, report
+    assert t.unexercised is None, f"{t.scenario}: fault not exercised: {t.unexercised}\n{report}"
+    if t.wrong and t.scenario in KNOWN_WRONG:
+        pytest.xfail(f"known kvgate fault, see {KNOWN_WRONG[t.scenario]}\n{report}")
+    assert t.wrong == 0, report
 
 
 @pytest.mark.parametrize("name", FAST)
 def test_chaos_scenario_loses_nothing_and_serves_nothing_wrong(tallies: dict[str, Tally], name: str) -> None:
-    t = tallies[name]
-    report = format_table([t]) + "\n" + format_details([t])
-    assert t.sent > 10, report
-    assert t.lost == 0, report
-    assert t.wrong == 0, report
-    why = BY_NAME[name].exercised(t)
-    assert why is None, f"{name}: fault not exercised: {why}\n{report}"
+    _loses_nothing_and_serves_nothing_wrong(tallies[name])
+
+
+@pytest.mark.parametrize("name", list(chaos_pd.BY_NAME))
+def test_pd_chaos_scenario_loses_nothing_and_serves_nothing_wrong(pd_tallies: dict[str, Tally], name: str) -> None:
+    _loses_nothing_and_serves_nothing_wrong(pd_tallies[name])
 
 
 def test_soak_smoke_has_no_errors() -> None:
