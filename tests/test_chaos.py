@@ -28,10 +28,6 @@ FAST = ["baseline", "redis_hung", "redis_restarted", "replica_refused", "replica
         "stall_mid_stream", "garbage_sse"]
 
 
-# Wrong answers the P/D run meets until gateway/ is fixed, each pinned by a strict xfail in test_pd_chaos.py.
-KNOWN_WRONG = {"decode_killed": "test_a_decode_replica_dying_after_its_pull_is_not_retried_with_the_same_params"}
-
-
 def _run(fleet: Fleet, scenarios: list[Scenario], duration: float) -> dict[str, Tally]:
     try:
         done = asyncio.run(run_chaos(fleet, scenarios, duration=duration, concurrency=12, seed=7))
@@ -56,8 +52,6 @@ def _loses_nothing_and_serves_nothing_wrong(t: Tally) -> None:
     assert t.sent > 10, report
     assert t.lost == 0, report
     assert t.unexercised is None, f"{t.scenario}: fault not exercised: {t.unexercised}\n{report}"
-    if t.wrong and t.scenario in KNOWN_WRONG:
-        pytest.xfail(f"known kvgate fault, see {KNOWN_WRONG[t.scenario]}\n{report}")
     assert t.wrong == 0, report
 
 

@@ -1,8 +1,13 @@
-"""The two kvgate faults the P/D chaos run (``bench.chaos_pd``, tests/test_chaos.py) found, pinned.
+"""The two kvgate faults the P/D chaos run (``bench.chaos_pd``, tests/test_chaos.py) found, fixed and pinned.
 
-Each is a strict xfail: it fails today for the reason it names, and turns into a failure (remove
-the mark) once gateway/ is fixed. Real processes or servers on loopback, every answer checked
-against vllm_sim's deterministic one.
+* A decode replica that dies after it pulled the blocks (the connection dropped after the request
+  was sent) must not have its ``kv_transfer_params`` sent to another decode replica: the prefill
+  replica freed the blocks once read, and reading them again is a wrong answer once they are
+  reused. The decode leg is sent once (``UpstreamCall.once``); its retry prefills again.
+* The last decode-capable replica is never ejected (``ReplicaPool._eject``), whatever prefill
+  replicas remain: only it can serve a whole request.
+
+Real processes or servers on loopback, every answer checked against vllm_sim's deterministic one.
 """
 
 from __future__ import annotations
@@ -26,11 +31,6 @@ def _body(text: str) -> dict[str, Any]:
                          {"role": "user", "content": text}]}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gateway/proxy/upstream.py:31 counts httpx.RemoteProtocolError/ReadError (a connection dropped after the "
-    "request was sent) as 'refused', and gateway/proxy/disagg.py:251 then sends the decode leg to the next "
-    "decode replica with the same kv_transfer_params; the first one had already pulled them, the prefill "
-    "freed the blocks, and the second reads freed blocks: a wrong answer once they are reused"))
 def test_a_decode_replica_dying_after_its_pull_is_not_retried_with_the_same_params() -> None:
     # Both decodes hold each request 3 s after pulling (a unary answer sends no byte before its end);
     # the one that pulled is SIGKILLed then: kvgate meets a dropped connection, not a refused one.
@@ -63,10 +63,6 @@ def test_a_decode_replica_dying_after_its_pull_is_not_retried_with_the_same_para
         fleet.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gateway/proxy/pool.py:257 (_eject) never ejects the last available replica, but counts replicas of "
-    "every role: the only decode replica is ejected because a prefill replica is still available, and "
-    "every request then gets 503 'no healthy replica' though the decode replica is back"))
 def test_the_last_decode_replica_is_never_ejected() -> None:
     stack = PDStack({"p1": "prefill", "d1": "decode"}, routing={"disaggregation": "always"},
                     pool={"eject_consecutive_failures": 2, "health_interval_s": 60})

@@ -52,7 +52,7 @@ from routing.disagg import Decision, Terms, decide
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
 from .relay import read_whole
 from .sse import Usage
-from .upstream import Attempt, UpstreamCall, open_upstream, read_error_body
+from .upstream import Attempt, SentAndDropped, UpstreamCall, open_upstream, read_error_body
 
 if TYPE_CHECKING:
     from .context import RequestContext
@@ -250,11 +250,25 @@ class Disagg:
             try:
                 attempt = await open_upstream(rt.pool, rt.policy, route, decode_call, rt.replica_keys, ctx.ticket,
                                               roles=DECODE_ROLES, exclude=tried)
+            except SentAndDropped as dropped:
+                # The params reached a replica that died before answering: it may have pulled the
+                # blocks, and the prefill replica frees what was read. Never send them again:
+                # another decode replica, prefilled again, as after a 5xx.
+                for _ in range(budget):
+                    rt.pool.budget.release()
+                budget = 0
+                if attempt_no == 1:
+                    raise
+                self._leg("decode", dropped.replica, False)
+                rt.policy.observe(route, RouteFeedback(dropped.replica, None, None, False))
+                budget = self._retry_decode(ctx, dropped.replica, dropped, record, tried, prefilled)
+                continue
             except BaseException:
                 for _ in range(budget):
                     rt.pool.budget.release()
                 raise
             attempt.budget_held += budget
+            budget = 0
             status = attempt.response.status_code
             if status < 500 or attempt_no == 1:
                 self._leg("decode", attempt.replica.name, status < 500)
@@ -268,16 +282,23 @@ class Disagg:
             await attempt.close()
             # The failed placement's marks go (backlog, requests in flight); the route is picked again.
             rt.policy.observe(route, RouteFeedback(attempt.replica.name, None, None, False))
-            if not rt.pool.budget.try_acquire(rt.pool.active_requests):
-                raise err  # retries are bounded fleet-wide (the pool's budget, as Envoy's)
-            budget = 1
-            self._fallback("decode", "retry")
-            tried.add(attempt.replica.name)
-            if record.prefill is not None:
-                prefilled.add(record.prefill)
-            log.warning("decode leg failed before its first byte; retrying elsewhere",
-                        extra={"request_id": ctx.request_id, "replica": attempt.replica.name, "error": str(err)})
+            budget = self._retry_decode(ctx, attempt.replica.name, err, record, tried, prefilled)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _retry_decode(self, ctx: "RequestContext", replica: str, err: GatewayError, record: "LegRecord",
+                      tried: set[str], prefilled: set[str]) -> int:
+        """Whether the failed decode leg may go to another decode replica: the pool's retry budget
+        (bounded fleet-wide, as Envoy's) is taken, or ``err`` raised. Returns the budget held."""
+        rt = self.rt
+        if not rt.pool.budget.try_acquire(rt.pool.active_requests):
+            raise err
+        self._fallback("decode", "retry")
+        tried.add(replica)
+        if record.prefill is not None:
+            prefilled.add(record.prefill)
+        log.warning("decode leg failed before its first byte; retrying elsewhere",
+                    extra={"request_id": ctx.request_id, "replica": replica, "error": str(err)})
+        return 1
 
     async def _prefill(self, ctx: "RequestContext", route: RouteRequest, call: UpstreamCall, leg: LegShape,
                        body: Mapping[str, Any], avoid: set[str]) -> dict[str, Any] | None:
@@ -418,5 +439,6 @@ def _pulled(terms: Terms, params: Mapping[str, Any]) -> float:
 
 
 def _replace_payload(call: UpstreamCall, payload: bytes) -> UpstreamCall:
+    """The decode leg's call: the params it carries are sent to one replica at most (``once``)."""
     return UpstreamCall(call.path, payload, call.headers, call.read_timeout_s, call.connect_timeout_s,
-                        call.max_attempts, call.priority)
+                        call.max_attempts, call.priority, once=True)

@@ -255,6 +255,10 @@ class ReplicaPool:
         if replica.ejected(now):
             return
         others = [r for r in self.replicas.values() if r is not replica and r.available(now)]
+        if replica.role != "prefill":
+            # Only a decode-capable replica serves a whole request (a prefill replica's work can
+            # always be done locally on one): those are the ones that must not all go.
+            others = [r for r in others if r.role != "prefill"]
         if not others:
             # Never eject the last available replica: a degraded answer beats none.
             return

@@ -218,9 +218,17 @@ class LeanTransport(httpx.AsyncBaseTransport):
         payload = _serialize(request, await request.aread())
         conn = self._take_idle(key)
         reused = conn is not None
+        dropped: httpx.HTTPError | None = None  # a kept-alive connection lost after the request went out
         for _ in range(2):
             if conn is None:
-                conn = await self._connect(host, port, timeouts.get("connect"))
+                try:
+                    conn = await self._connect(host, port, timeouts.get("connect"))
+                except httpx.HTTPError:
+                    if dropped is not None:
+                        # The replica is gone, and the request was written to it before it went:
+                        # say so (it may have arrived), not that the replica refused it.
+                        raise dropped from None
+                    raise
             conn.reset()
             assert conn.transport is not None and conn.head_ready is not None
             conn.transport.write(payload)
@@ -230,11 +238,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
             except TimeoutError:
                 conn.abort()
                 raise httpx.ReadTimeout("replica sent no response headers in time") from None
-            except httpx.HTTPError:
+            except httpx.HTTPError as e:
                 conn.abort()
                 # A kept-alive connection the replica closed while idle: retry once on a new one.
                 if reused and not conn.received_any:
-                    conn, reused = None, False
+                    conn, reused, dropped = None, False, e
                     continue
                 raise
             except BaseException:

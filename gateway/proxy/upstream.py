@@ -30,6 +30,17 @@ log = logging.getLogger("kvgate.upstream")
 _RETRYABLE_STATUS = {429, 503}
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                    httpx.WriteError, httpx.PoolTimeout)
+# Of those, the ones where the request never reached the replica (nothing was sent).
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class SentAndDropped(UpstreamError):
+    """A replica dropped the connection after the request was sent, for a call that must not be
+    sent twice as it is (``UpstreamCall.once``): the caller decides what to send next."""
+
+    def __init__(self, replica: str) -> None:
+        super().__init__(f"replica {replica} dropped the connection")
+        self.replica = replica
 
 
 @dataclass
@@ -72,6 +83,9 @@ class UpstreamCall:
     # vLLM's ``priority`` for the request's class (policies.priority); sent only to replicas
     # started with --scheduling-policy priority: under fcfs it is refused or ignored.
     priority: int = 0
+    # Sent to at most one replica once it may have arrived (a decode leg's kv_transfer_params:
+    # the replica that took them may have pulled the blocks, which the prefill replica then frees).
+    once: bool = False
 
     def payload_for(self, replica: Replica) -> bytes:
         if not self.priority or replica.scheduling_policy != "priority":
@@ -147,9 +161,11 @@ async def _attempts(
                     continue
                 # It may be working on the request: never duplicate generation.
                 raise UpstreamTimeout(f"replica {replica.name} sent no response in time") from None
-            except _CONNECT_ERRORS:
+            except _CONNECT_ERRORS as e:
                 lease.release()
                 pool.record_failure(replica, "connect")
+                if call.once and not isinstance(e, _NOT_SENT):
+                    raise SentAndDropped(replica.name) from None
                 last_error = UpstreamError(f"replica {replica.name} refused or dropped the connection")
                 continue
             except BaseException:
