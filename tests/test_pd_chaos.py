@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import httpx
-import pytest
 
 from bench.chaos_check import expected_answer
 from bench.chaos_fleet import MODEL, start_fleet

@@ -122,6 +122,24 @@ def test_a_transfer_refused_is_prefilled_again_elsewhere() -> None:
             stack.close()
 
 
+def test_the_prefill_replica_whose_transfers_fail_is_ejected_not_the_decode_replicas() -> None:
+    # The same fault at the default threshold of failures: the 500s the decode replicas give are
+    # counted where the params came from, so p1 goes and the decode replicas stay.
+    with PDSim("ref3") as ref:
+        stack = PDStack(ROLES, routing={"disaggregation": "always"}, per_sim={"p1": {"side_channel_port": 9}},
+                        pool={"eject_consecutive_failures": 2, "health_interval_s": 60})
+        try:
+            pool = stack.runtime.pool
+            until(stack, ref, "blamed", lambda: pool.replicas["p1"].ejections >= 1)
+            assert [pool.replicas[d].ejections for d in DECODES] == [0, 0]
+            for i in range(4):  # and from then on every request pulls from p2, first time
+                messages = chat(f"after {i}")
+                assert ask(stack, messages) == expected(ref, messages)
+            assert all(not pool.replicas[d].ejected(pool.clock()) for d in DECODES)
+        finally:
+            stack.close()
+
+
 def test_a_decode_replica_dying_mid_stream_gives_partial_output_then_an_error() -> None:
     stack = PDStack({"p1": "prefill", "d1": "decode"}, routing={"disaggregation": "always"})
     try:

@@ -270,6 +270,7 @@ class Disagg:
             attempt.budget_held += budget
             budget = 0
             status = attempt.response.status_code
+            self._pulled_from(record.prefill, status < 500)
             if status < 500 or attempt_no == 1:
                 self._leg("decode", attempt.replica.name, status < 500)
                 return attempt
@@ -284,6 +285,21 @@ class Disagg:
             rt.policy.observe(route, RouteFeedback(attempt.replica.name, None, None, False))
             budget = self._retry_decode(ctx, attempt.replica.name, err, record, tried, prefilled)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _pulled_from(self, prefill: str | None, ok: bool) -> None:
+        """A decode leg that carried a prefill replica's params answered (``ok``) or failed before
+        its first byte. vLLM's decode answers a failed pull with the same 500 as any other failure,
+        so the failure is counted where the params came from: a prefill replica whose params cannot
+        be pulled is ejected, not the decode replicas that tried them. A decode replica broken in
+        itself is found all the same: once the prefill replicas are out, its requests prefill
+        locally, and their failures are its own."""
+        known = self.rt.pool.replicas.get(prefill) if prefill is not None else None
+        if known is None:
+            return
+        if ok:
+            self.rt.pool.record_success(known)
+        else:
+            self.rt.pool.record_failure(known, "pull")
 
     def _retry_decode(self, ctx: "RequestContext", replica: str, err: GatewayError, record: "LegRecord",
                       tried: set[str], prefilled: set[str]) -> int:
@@ -331,7 +347,9 @@ class Disagg:
                 usage = leg.usage(obj)
                 got = obj.get("kv_transfer_params")
                 params = got if isinstance(got, dict) and got else None
-                rt.pool.record_success(replica)
+                if params is None:
+                    rt.pool.record_success(replica)
+                # Else its health is told when a decode replica has pulled what it named (``open``).
             except (UpstreamError, UpstreamTimeout):
                 rt.pool.record_failure(replica)
             except _Refused:

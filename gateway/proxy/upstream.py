@@ -179,7 +179,8 @@ async def _attempts(
                 await response.aclose()
                 lease.release()
                 continue
-            if response.status_code >= 500:
+            if response.status_code >= 500 and not call.once:
+                # (A call sent once carries another replica's work: its caller says whose failure it is.)
                 pool.record_failure(replica, f"http_{response.status_code}")
             attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool,
                               prefer_s=prefer_s, ticket=ticket)
