@@ -50,6 +50,7 @@ class Attached:
 
     def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
         self.fleet = replicas
+        self.ledger.place(request, replicas)  # as the gateway places it: when routed
         return self.policy.prefer(request, replicas)
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:

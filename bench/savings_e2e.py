@@ -174,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     workloads = [workload(name, args) for name in args.workloads]
     pools = [workload_pool(w, args) for w in workloads]
-    sims = start_sims([f"r{i + 1}" for i in range(args.replicas)], {"kv_blocks": pools[0].blocks, **SIM_FLAGS})
+    # twin's prompts (34K tokens) and mooncake's longest (120K) are past the simulator's default context.
+    longest = max(r.prompt_tokens for w in workloads for r in w.requests)
+    flags = {"kv_blocks": pools[0].blocks, "max_model_len": max(32768, 2 * longest), **SIM_FLAGS}
+    sims = start_sims([f"r{i + 1}" for i in range(args.replicas)], flags)
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-savings-e2e-"))
     print(f"{args.replicas} vllm_sim replicas; pools {args.pool_ratio:g} x the reused working set; "
           f"concurrency {args.concurrency}; {'full' if args.full else 'quick'} sizes")
