@@ -149,6 +149,11 @@ class ShadowFleet:
             self._weights[replica] = 0.0
         if keep is None:
             keep = sampled(blocks, self.threshold)
+        # The head is always kept (weighing R, as a sampled block stands for 1/R): a hit ends at or
+        # past it unless the prompt is cold, so one shorter than the first sampled block is seen.
+        head = bool(blocks) and (not keep or keep[0] != 0)
+        if head:
+            keep = [0, *keep]
         hit, self.boundary = 0.0, None
         for i in range(len(keep) - 1, -1, -1):
             if blocks[keep[i]] in lru:
@@ -168,11 +173,13 @@ class ShadowFleet:
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = 1.0
-                weight += 1.0
+                lru[h] = w = self.rate if head and j == 0 else 1.0
+                weight += w
         if capacity is not None:
             room = max(1.0, capacity * self.rate)
-            while weight > room and lru:
+            # Heads weigh R but cost an entry each: many short distinct prompts could fill the room
+            # with 1/R times the entries it is sized for, so entries are bounded too.
+            while (weight > room or len(lru) > 2 * room) and lru:
                 weight -= lru.popitem(last=False)[1]
         self._weights[replica] = weight
         return hit
