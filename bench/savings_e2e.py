@@ -24,10 +24,12 @@ What differs between the two runs, and between the shadow and the real round
 robin: requests are sent as fast as ``--concurrency`` allows (closed-loop
 workloads by their own clients), in the workload's order, so which request a
 free slot takes next is the same, but completion order is not (it follows
-where each request went). Round robin places in the order requests reach
-kvgate; the shadow places them in the order their answers complete
-(``docs/savings.md``). The replicas' timelines differ too: round robin's pools
-hold other running requests when each one arrives.
+where each request went), and so neither is the order of the requests sent
+when slots free. Both round robins deal requests to replicas in the order
+kvgate routes them; the shadow updates its pools in the order answers complete,
+the replicas theirs as they schedule. The timelines differ too: under round
+robin each request meets other running requests in the pools than under the
+default policy (``docs/savings.md``, what the estimator cannot see).
 """
 
 from __future__ import annotations

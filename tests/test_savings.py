@@ -135,7 +135,7 @@ def test_a_hit_shorter_than_the_first_sampled_block_is_seen() -> None:
 
 
 def test_a_cold_request_is_estimated_cold() -> None:
-    """No sampled block hit: counted as computed in full (the stated bias), never half its first gap."""
+    """The head missed: counted as computed in full, never half its first gap."""
     fleet = ShadowFleet(1 / 8)
     for i in range(8):
         assert fleet.serve("r1", _chain(i, 200, f"u{i}"), None) == 0.0
