@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -180,17 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(r.prompt_tokens for w in workloads for r in w.requests)
     flags = {"kv_blocks": pools[0].blocks, "max_model_len": max(32768, 2 * longest), **SIM_FLAGS}
     sims = start_sims([f"r{i + 1}" for i in range(args.replicas)], flags)
-    workdir = Path(tempfile.mkdtemp(prefix="kvgate-savings-e2e-"))
     print(f"{args.replicas} vllm_sim replicas; pools {args.pool_ratio:g} x the reused working set; "
           f"concurrency {args.concurrency}; {'full' if args.full else 'quick'} sizes")
     print(HEADER, flush=True)
     try:
-        for w, pool in zip(workloads, pools):
-            print(row(check(w, pool.blocks, sims, workdir, args)), flush=True)
+        with tempfile.TemporaryDirectory(prefix="kvgate-savings-e2e-") as workdir:
+            for w, pool in zip(workloads, pools):
+                print(row(check(w, pool.blocks, sims, Path(workdir), args)), flush=True)
     finally:
         for s in sims:
             s.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -9,7 +9,6 @@ conversion of routing blocks to tokens.
 from __future__ import annotations
 
 import argparse
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,13 +26,12 @@ def test_the_estimate_is_the_real_round_robin_replay() -> None:
     # affinity on one.
     w = build(groups=4, per_group=6, system_tokens=512, question_tokens=32, output_tokens=4, seed=5)
     sims = start_sims(["r1", "r2"], {"kv_blocks": POOL_BLOCKS, **SIM_FLAGS})
-    workdir = Path(tempfile.mkdtemp(prefix="kvgate-savings-e2e-test-"))
     try:
-        c = check(w, POOL_BLOCKS, sims, workdir, argparse.Namespace(concurrency=1, speed=1e6))
+        with tempfile.TemporaryDirectory(prefix="kvgate-savings-e2e-test-") as workdir:
+            c = check(w, POOL_BLOCKS, sims, Path(workdir), argparse.Namespace(concurrency=1, speed=1e6))
     finally:
         for s in sims:
             s.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
     print(HEADER + "\n" + row(c))
     assert c.errors == 0 and c.requests == 24
     # kvgate's own side is what the replicas counted.
