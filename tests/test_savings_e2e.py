@@ -36,7 +36,9 @@ def test_the_estimate_is_the_real_round_robin_replay() -> None:
     assert c.errors == 0 and c.requests == 24
     # kvgate's own side is what the replicas counted.
     assert c.actual == c.actual_replicas
-    # Round robin really computed more: at least the second copy of most groups' system prompt.
-    assert c.real_rr - c.actual > 3 * 512
+    # Round robin really computed more: the second copy of at least two groups' system prompt
+    # (all four when prefix affinity keeps each group on one replica, as it does here unless the
+    # load it reads says otherwise).
+    assert c.real_rr - c.actual > 2 * 512
     # The estimate against the real replay (the issue's bound).
     assert abs(c.error) <= 0.10, row(c)
