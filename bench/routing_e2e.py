@@ -99,6 +99,8 @@ GENERATED = {"heavy_orgs": "heavy4-closed8", "heavy_orgs_burst": "heavy4-burst16
              "orgs_layered": "layered-4orgs-closed8"}
 # The client caps every request's max_tokens at this (replicas decode fast, the run stays short).
 MAX_TOKENS = 32
+# The replicas' timing and seats (their pools are sized per workload: ``workload_pool``).
+SIM_FLAGS = {"prefill_s_per_token": 0.00005, "decode_base_s": 0.005, "max_num_seqs": 16}
 
 
 def build(name: str, args: argparse.Namespace) -> Workload:
@@ -336,8 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         args.redis_url = redis.url
     workloads = {name: build(name, args) for name in args.workloads}
     pools = {name: workload_pool(w, args) for name, w in workloads.items()}
-    flags = {"kv_blocks": pools[args.workloads[0]].blocks, "prefill_s_per_token": 0.00005, "decode_base_s": 0.005,
-             "max_num_seqs": 16}
+    flags = {"kv_blocks": pools[args.workloads[0]].blocks, **SIM_FLAGS}
     names = [f"r{i + 1}" for i in range(args.replicas)]
     args.tokenizer = tokenizer_dir() if args.precise else None
     sims = start_event_sims(names, flags, args.tokenizer) if args.precise else start_sims(names, flags)

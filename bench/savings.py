@@ -50,6 +50,7 @@ class Attached:
 
     def prefer(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
         self.fleet = replicas
+        self.ledger.place(request, replicas)  # as the gateway places it: when routed
         return self.policy.prefer(request, replicas)
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
@@ -90,8 +91,9 @@ def run(w: Workload, rate: float, entries: int, base: SimSettings,
     return estimate, exact, ledger, stats.prompt_tokens - stats.cached_tokens, us
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.savings", description=__doc__.split("\n\n")[0])
+def parser(prog: str = "bench.savings", doc: str = __doc__) -> argparse.ArgumentParser:
+    """The options (``bench.savings_e2e`` adds its own to them)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     p.add_argument("--data", default=DEFAULT_DATA)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workloads", nargs="+",
@@ -109,7 +111,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--twin-seed", type=int, default=1)
     p.add_argument("--layered-requests", type=int, default=1600)
     p.add_argument("--layered-seed", type=int, default=11)
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def workload(name: str, args: argparse.Namespace) -> Workload:
+    """The routing benchmark's workload ``name`` at the sizes ``args`` give."""
+    print(f"building {name} ...", file=sys.stderr, flush=True)
+    (w,) = build_workloads(argparse.Namespace(**{**vars(args), "workloads": [name], "kv_tokens": 0}))
+    return w
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
           "shadows per replica | correction | CPU per request |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.workloads:
-        print(f"building {name} ...", file=sys.stderr, flush=True)
-        (w,) = build_workloads(argparse.Namespace(**{**vars(args), "workloads": [name], "kv_tokens": 0,
-                                                     "replicas": args.replicas}))
+        w = workload(name, args)
         clients = w.closed_loop.clients if w.closed_loop else 0
         pool = pool_size(w, args.replicas, args.pool_ratio, clients=clients)
         base = SimSettings(replicas=args.replicas, kv_tokens=pool.kv_tokens, seed=args.seed)

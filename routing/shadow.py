@@ -18,17 +18,18 @@ sampled stream is the full one thinned at random, so its reuse distances are
 the full ones times ``R``).
 
 **Placement.** Round robin over the eligible replicas sorted by name, in the
-order requests are recorded, as ``routing.round_robin`` rotates.
+order ``place`` is called (``routing.savings`` calls it as kvgate routes each
+request), as ``routing.round_robin`` rotates.
 
 **From sampled blocks to a hit.** vLLM's prefix cache hits a chained prefix:
 block ``j`` hits only if blocks ``0..j-1`` do, and a replica evicts a
 request's tail before its head, so what a replica holds of a prompt is its
-first ``h`` blocks. The shadow sees only the sampled positions: ``d``, the
-deepest sampled position found in the replica's shadow, and ``m``, the next
-sampled position (which missed) or the prompt's end. So ``d < h <= m``, and
-the estimate is
+first ``h`` blocks. The shadow sees only the sampled positions, and the head
+(position 0, always kept: below): ``d``, the deepest of them found in the
+replica's shadow, and ``m``, the next sampled position (which missed) or the
+prompt's end. So ``d < h <= m``, and the estimate is
 
-    h_est = (d + 1 + m) / 2      (0 when no sampled block hit)
+    h_est = (d + 1 + m) / 2      (0 when the head missed: the prompt is cold)
 
 Why the midpoint: whether a position is sampled depends only on its hash,
 so the sampled positions are a Bernoulli(R) thinning independent of where the
@@ -39,13 +40,16 @@ and the one after it have probabilities ``(1-R)^a`` and ``(1-R)^b`` with
 sampled block hit; its error is within half a gap (about ``1 / 2R`` blocks)
 per distinct prefix end, and errors of different prefixes cancel.
 
-Its bias, stated: with no sampled hit the estimate is 0, so a hit shorter
-than the request's first sampled position is missed (the flat prior would say
-``m / 2``, but most such requests are cold: a unique prompt must count as
-computed, and is). That undercounts round robin's hits by less than ``1/R``
-blocks on the requests where it happens, which would overstate the savings;
-the mirror (``routing.savings``) undercounts the real placement's hits the same
-way, and its correction scales it out.
+**The head.** A prompt's first block is kept whether its hash samples it or
+not, weighing ``R`` in the pool's room (a sampled block stands for ``1/R``
+blocks, the head for itself), so a miss there is a cold prompt, counted as
+computed in full, and a hit shorter than the first sampled position is seen
+and estimated at the midpoint like any other. Without it such a hit counted
+0: on a trace whose prompts share only a 512-token head (mooncake's, over
+real processes) no sampled block fell in it at 1/16, no hit was seen at all,
+and round robin's estimate was every prompt token. Heads cost an entry each,
+so the entries are bounded too (twice the room), against many short distinct
+prompts.
 
 The counting estimator (sampled hits / R, each sampled block standing for
 1/R) is unbiased too, but one shared prefix's sample count is one draw for
@@ -149,6 +153,11 @@ class ShadowFleet:
             self._weights[replica] = 0.0
         if keep is None:
             keep = sampled(blocks, self.threshold)
+        # The head is always kept (weighing R, as a sampled block stands for 1/R): a hit ends at or
+        # past it unless the prompt is cold, so one shorter than the first sampled block is seen.
+        head = bool(blocks) and (not keep or keep[0] != 0)
+        if head:
+            keep = [0, *keep]
         hit, self.boundary = 0.0, None
         for i in range(len(keep) - 1, -1, -1):
             if blocks[keep[i]] in lru:
@@ -168,11 +177,13 @@ class ShadowFleet:
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = 1.0
-                weight += 1.0
+                lru[h] = w = self.rate if head and j == 0 else 1.0
+                weight += w
         if capacity is not None:
             room = max(1.0, capacity * self.rate)
-            while weight > room and lru:
+            # Heads weigh R but cost an entry each: many short distinct prompts could fill the room
+            # with 1/R times the entries it is sized for, so entries are bounded too.
+            while (weight > room or len(lru) > 2 * room) and lru:
                 weight -= lru.popitem(last=False)[1]
         self._weights[replica] = weight
         return hit

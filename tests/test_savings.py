@@ -113,7 +113,8 @@ def test_shadow_memory_is_its_sample_of_the_pool() -> None:
     requests = _workload(2)
     _, fleet = _shadow(requests, 3000, 1 / 8)
     entries = fleet.entries()
-    assert set(entries) == set(REPLICAS) and all(n <= 3000 / 8 for n in entries.values())
+    # R of the pool, and the heads (weighing R each; one per system prompt here, 12) besides.
+    assert set(entries) == set(REPLICAS) and all(n <= 3000 / 8 + 12 for n in entries.values())
     assert fleet.memory_bytes() == sum(entries.values()) * ENTRY_BYTES
     # Sampling is by hash: the same blocks everywhere, about R of them.
     blocks = [b for r in requests for b in r]
@@ -121,8 +122,20 @@ def test_shadow_memory_is_its_sample_of_the_pool() -> None:
     assert 0.08 < share < 0.17
 
 
+def test_a_hit_shorter_than_the_first_sampled_block_is_seen() -> None:
+    """A shared head of 20 blocks with no sampled block in it (found by hash at R = 1/16): the head
+    is always kept, so the hit is estimated at the midpoint up to the first sampled block, not 0."""
+    prefix = next(p for p in (_chain(s, 20, "head") for s in range(1000)) if not sampled(p, 1 << 20))
+    first, second = prefix + _chain(prefix[-1], 200, "a"), prefix + _chain(prefix[-1], 200, "b")
+    fleet = ShadowFleet(1 / 16)
+    assert fleet.serve("r1", first, None) == 0.0
+    end = sampled(second, fleet.threshold)[0]  # past the prefix: the shorter hit is in 1..end
+    assert end > 20 and fleet.serve("r1", second, None) == (1 + end) / 2
+    assert fleet.boundary == prefix[0]
+
+
 def test_a_cold_request_is_estimated_cold() -> None:
-    """No sampled block hit: counted as computed in full (the stated bias), never half its first gap."""
+    """The head missed: counted as computed in full, never half its first gap."""
     fleet = ShadowFleet(1 / 8)
     for i in range(8):
         assert fleet.serve("r1", _chain(i, 200, f"u{i}"), None) == 0.0

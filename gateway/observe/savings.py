@@ -56,6 +56,10 @@ class Savings:
     def decode_s_per_token(self) -> float | None:
         return self._decode_s / self._decode_tokens if self._decode_tokens else None
 
+    def routed(self, route: RouteRequest, fleet: Sequence[ReplicaView]) -> None:
+        """A request is being routed: round robin's replica for it, in routing order (``SavingsLedger.place``)."""
+        self.ledger.place(route, fleet)
+
     def served(self, route: RouteRequest, tenant: str, replica: str, fleet: Sequence[ReplicaView],
                outcome: "Outcome", started: float) -> None:
         """A replica answered: both sides of its prefill, and (a stream) its decode time per token."""

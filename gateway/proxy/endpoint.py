@@ -141,6 +141,7 @@ class ProxyEndpoint:
             priority=stages.vllm_priority(ctx),
         )
         stages.claim_slot(rt, ctx, call.payload, route.token_ids)
+        stages.place_round_robin(rt, ctx, route)
         attempt = await self._open(route, call, ctx)
         started = getattr(rt.policy, "started", None)
         if started is not None:

@@ -165,6 +165,16 @@ def after_response(rt: "Runtime", ctx: "RequestContext", replica: str, outcome: 
             rt.spawn(rt.engine.record_usage(ctx.tenant, total))
 
 
+def place_round_robin(rt: "Runtime", ctx: "RequestContext", route: "RouteRequest") -> None:
+    """Round robin's replica for this request, chosen as it is routed (``account_savings`` reads it)."""
+    if rt.savings is None:
+        return
+    try:
+        rt.savings.routed(route, rt.pool.eligible(ctx.model))
+    except Exception:  # as in account_savings: the figures may suffer, never the request
+        log.exception("savings placement failed", extra={"request_id": ctx.request_id})
+
+
 def account_savings(rt: "Runtime", ctx: "RequestContext", route: "RouteRequest", replica: str,
                     outcome: Outcome) -> None:
     """What routing saved on this answer against round robin (``gateway.observe.savings``), over the
