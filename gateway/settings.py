@@ -151,6 +151,11 @@ class PoolSettings(_Section):
     # With tenants configured, requests past every replica's admission limit wait in kvgate's
     # per-tenant fair queue (gateway.proxy.admission). Off: they go to the replicas' own queues.
     fair_queue: bool = True
+    # With the fair queue: a streamed answer bounded by max_tokens hands its slot on at its last
+    # decode step, so the next request waits inside the replica for that step instead of a hop
+    # after the stream ends. Off by default: it brings throughput to within 1% of first-come,
+    # but a quiet tenant's p95 had tails in 4 of 7 runs of bench/fairness.py (docs/benchmarks/fairness.md).
+    hand_on_at_last_step: bool = False
 
 
 class Settings(_Section):

@@ -278,7 +278,8 @@ def _stream(url: str, key: str, text: str, max_tokens: int | None) -> list[str]:
 
 @pytest.mark.parametrize("max_tokens", [3, None])
 def test_a_slot_is_handed_on_at_the_last_step_of_an_answer_its_max_tokens_bounds(max_tokens: int | None) -> None:
-    fleet = _one_slot([{"name": "a", "api_keys": ["sk-a"]}])
+    fleet = Fleet({"r1": {"max_in_flight": 1}}, [{"name": "a", "api_keys": ["sk-a"]}],
+                  pool={**POOL, "hand_on_at_last_step": True})
     received = fleet.captures["r1"].received
     try:
         # The replica streams all of the held answer's tokens but its last, then waits.

@@ -37,7 +37,7 @@ While anything is promised, a replica whose seats are confirmed gets no probe se
 A ticket's ``hold`` and ``done`` tell the shares who holds what (``done`` runs just
 before the lease ends, so the hand-on sees the slot as its tenant's).
 
-**The last step.** A streamed answer bounded by ``max_tokens`` hands its slot on when one
+**The last step** (``pool.hand_on_at_last_step``, off by default). A streamed answer bounded by ``max_tokens`` hands its slot on when one
 token is left (``Ticket.last_step``, counted by ``sse.StreamObserver``): the next request then
 waits inside vLLM for that one step and joins as the seat frees, instead of a hop after the
 stream ends. Its lease stays until the stream ends; ``ending`` keeps the count straight.

@@ -221,7 +221,7 @@ class ProxyEndpoint:
         on_complete = None if ctx.cache_req is None else partial(stages.store_answer, self.rt, ctx)
         if ctx.stream:
             observer = self._observer(ctx)
-            stages.hand_on_early(ctx, observer)
+            stages.hand_on_early(self.rt, ctx, observer)
             return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
                                       stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete,
                                       on_first=ctx.first_token)

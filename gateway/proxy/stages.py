@@ -80,11 +80,12 @@ def claim_slot(rt: "Runtime", ctx: "RequestContext", payload: bytes, token_ids: 
     ctx.ticket = rt.admission.ticket(ctx.tenant, ctx.priority_class, cost)
 
 
-def hand_on_early(ctx: "RequestContext", observer: StreamObserver) -> None:
+def hand_on_early(rt: "Runtime", ctx: "RequestContext", observer: StreamObserver) -> None:
     """Let the request's slot go at its answer's last decode step (``Ticket.last_step``): only for a
     stream of the chat family with a single choice whose length is bounded by ``max_tokens``.
     Other answers end when they end, which nothing here can foresee."""
-    if ctx.ticket is None or not ctx.stream or ctx.endpoint not in ("chat", "completions"):
+    if (ctx.ticket is None or not ctx.stream or ctx.endpoint not in ("chat", "completions")
+            or not rt.settings.pool.hand_on_at_last_step):
         return
     body = ctx.body
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("use_beam_search"):
