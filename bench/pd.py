@@ -209,8 +209,8 @@ def _line(r: dict[str, Any]) -> str:
         return f"{s * 1000:>8.0f}ms"
 
     # A row that prefilled nothing remotely has no prefill hit ratio to show.
-    hit = (f"{r['prefill_hit_ratio']:>13.3f}{r['of_reference']:>6.0%}" if sum(r["prefill_requests"])
-           else f"{'-':>13}{'-':>6}")
+    of_ref = f"{r['of_reference']:>6.0%}" if r["reference_hit_ratio"] else f"{'-':>6}"  # nothing to reuse
+    hit = f"{r['prefill_hit_ratio']:>13.3f}{of_ref}" if sum(r["prefill_requests"]) else f"{'-':>13}{'-':>6}"
     return (f"{r['row']:<24}{ms(r['ttft_p50_s'])}{ms(r['ttft_p95_s'])}{ms(r['itl_p99_s'])}"
             f"{hit}  {'/'.join(map(str, r['prefill_requests'])):<14}"
             f"{'/'.join(map(str, r['decode_requests'])) or '-':<14}"
