@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.pd_sims import PDSim
+from tests.support.pd_sims import PDSim, chat, reference_sim
 from tests.support.pd_stack import PDStack
 from tests.support.stack import MODEL
 
@@ -23,15 +23,7 @@ PREFILLS, DECODES = ("p1", "p2"), ("d1", "d2")
 TRIES = 24
 
 
-def chat(text: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": f"{text}: " + "You answer with care. " * 20},
-            {"role": "user", "content": text}]
-
-
-@pytest.fixture(scope="module")
-def ref() -> Iterator[PDSim]:
-    with PDSim("ref") as sim:
-        yield sim
+ref = pytest.fixture(scope="module")(reference_sim)
 
 
 def expected(ref: PDSim, messages: list[dict[str, str]]) -> str:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.pd_sims import PDSim
+from tests.support.pd_sims import PDSim, chat, reference_sim
 from tests.support.pd_stack import PDStack
 from tests.support.stack import MODEL
 
@@ -23,17 +23,7 @@ ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
 PREFILLS, DECODES = ("p1", "p2"), ("d1", "d2")
 
 
-def chat(text: str) -> list[dict[str, str]]:
-    # Several blocks of prompt, unique from the first block on: tests share the replicas.
-    return [{"role": "system", "content": f"{text}: " + "You are a careful assistant. " * 20},
-            {"role": "user", "content": text}]
-
-
-@pytest.fixture(scope="module")
-def ref() -> Iterator[PDSim]:
-    """A plain replica outside kvgate: the reference answers."""
-    with PDSim("ref") as sim:
-        yield sim
+ref = pytest.fixture(scope="module")(reference_sim)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ what a replica cached through vLLM's replay socket.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import msgpack
@@ -19,7 +19,7 @@ from vllm_sim.server import build_app as build_sim
 from .servers import ServerThread, free_port
 from .stack import sim_config
 
-__all__ = ["PDSim", "REMOTE_DECODE", "prefill_body", "decode_body", "replayed_stored"]
+__all__ = ["PDSim", "REMOTE_DECODE", "chat", "prefill_body", "decode_body", "reference_sim", "replayed_stored"]
 
 # What a router sends a prefill replica (vLLM's toy proxy and vllm-router alike).
 REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -93,3 +93,15 @@ def replayed_stored(endpoint: str, timeout_ms: int = 5000) -> list[tuple[int, ..
             out.extend(tuple(ev["token_ids"]) for ev in events if ev.get("type") == "BlockStored")
     finally:
         sock.close()
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    """Several KV blocks of prompt, distinct from the first block on (tests share the replicas)."""
+    return [{"role": "system", "content": f"{text}: " + "You answer with care. " * 20},
+            {"role": "user", "content": text}]
+
+
+def reference_sim() -> Iterator[PDSim]:
+    """A plain replica outside kvgate, for the right answers (a module fixture's body)."""
+    with PDSim("ref") as sim:
+        yield sim

@@ -19,14 +19,14 @@ from gateway.settings import load_settings
 from .minilm import shared_minilm
 from .pd_sims import PDSim
 from .servers import ServerThread
-from .stack import _merge
+from .stack import GatewayAt, _merge
 
 __all__ = ["PDStack"]
 
 ADMIN_TOKEN = "pd-admin-token"
 
 
-class PDStack:
+class PDStack(GatewayAt):
     def __init__(self, roles: dict[str, str], *, sim: dict[str, Any] | None = None,
                  per_sim: dict[str, dict[str, Any]] | None = None, events: bool = False, **overrides: Any) -> None:
         """``events``: kvgate subscribes to every sim's KV events (precise mode, with a tokenizer)."""
@@ -44,18 +44,6 @@ class PDStack:
         app = build_app(self.settings, runtime=Runtime(self.settings, embedding_loader=shared_minilm))
         self.gateway = ServerThread(app).start()
         self.admin = ServerThread(build_admin_app(app.state.runtime), lifespan="off").start()
-
-    @property
-    def url(self) -> str:
-        return self.gateway.url
-
-    @property
-    def base_url(self) -> str:
-        return self.gateway.url + "/v1"
-
-    @property
-    def runtime(self) -> Runtime:
-        return self.gateway.config.app.state.runtime  # type: ignore[no-any-return]
 
     def admin_get(self, path: str) -> Any:
         r = httpx.get(self.admin.url + path, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5)

@@ -27,13 +27,10 @@ def sim_config(name: str, *, time_scale: float = 0.0, **kw: Any) -> SimConfig:
     return SimConfig(name=name, model=MODEL, timing=timing, **kw)
 
 
-@dataclass
-class Stack:
-    sims: dict[str, ServerThread]
+class GatewayAt:
+    """Where a test's kvgate listens, and its runtime (a ``gateway`` ServerThread attribute)."""
+
     gateway: ServerThread
-    settings: Settings
-    extra: list[ServerThread] = field(default_factory=list)
-    admin: ServerThread | None = None
 
     @property
     def url(self) -> str:
@@ -46,6 +43,15 @@ class Stack:
     @property
     def runtime(self) -> Runtime:
         return self.gateway.config.app.state.runtime  # type: ignore[no-any-return]
+
+
+@dataclass
+class Stack(GatewayAt):
+    sims: dict[str, ServerThread]
+    gateway: ServerThread
+    settings: Settings
+    extra: list[ServerThread] = field(default_factory=list)
+    admin: ServerThread | None = None
 
     def sim_url(self, name: str) -> str:
         return self.sims[name].url
