@@ -24,17 +24,13 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.ports import free_port
 from vllm_sim.process import start_sim_process
 
 ROOT = Path(__file__).resolve().parent.parent
+
 MODEL = "sim-model"
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def _kill(proc: subprocess.Popen[bytes] | None) -> None:

@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import socket
 import statistics
 import time
 import tracemalloc
 
+from bench.ports import free_port
 from routing.kv_events import KVEvents
 from routing.kv_index import KVEventIndex
 from routing.kv_wire import decode_batch
@@ -38,12 +38,6 @@ from vllm_sim.kv import PoolEvent, Removed, Stored
 from vllm_sim.kv_events import KVEventPublisher, encode_batch
 
 BS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def batches(n: int, per_event: int, seed: int = 1) -> list[list[PoolEvent]]:

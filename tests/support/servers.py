@@ -16,6 +16,8 @@ from typing import Any
 
 import uvicorn
 
+from bench.ports import free_port  # noqa: F401 - re-exported: the tests import it from here
+
 
 def _listener() -> socket.socket:
     # proto=IPPROTO_TCP, plus TCP_NODELAY inherited by accepted sockets: without it
@@ -32,10 +34,6 @@ def free_socket(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:
