@@ -37,10 +37,11 @@ While anything is promised, a replica whose seats are confirmed gets no probe se
 A ticket's ``hold`` and ``done`` tell the shares who holds what (``done`` runs just
 before the lease ends, so the hand-on sees the slot as its tenant's).
 
-**The last step** (``pool.hand_on_at_last_step``, off by default). A streamed answer bounded by ``max_tokens`` hands its slot on when one
-token is left (``Ticket.last_step``, counted by ``sse.StreamObserver``): the next request then
-waits inside vLLM for that one step and joins as the seat frees, instead of a hop after the
-stream ends. Its lease stays until the stream ends; ``ending`` keeps the count straight.
+**The last step** (``pool.hand_on_at_last_step``, off by default). A streamed answer bounded
+by ``max_tokens`` hands its slot on when one token is left (``Ticket.last_step``, counted by
+``sse.StreamObserver``): the next request then waits inside vLLM for that one step and joins as
+the seat frees, instead of a hop after the stream ends. Its lease stays until the stream ends;
+``ending`` keeps the count straight.
 
 **The queue** is ``policies.fair_queue``: strict bands by class, weighted fair
 queueing over prompt tokens within a band. A freed slot goes to the first
@@ -129,7 +130,11 @@ class Ticket:
         """Its slot is given back; call before the lease ends, so the slot's hand-on sees it."""
         if self.ending and self.replica is not None:
             self.ending = False
-            self.admission.ended(self.replica)
+            _drop_one(self.admission.ending, self.replica)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Its tenant no longer holds the slot (``policies.fair_share``)."""
         if self.held_at is not None:
             self.admission.release(self.tenant.name, self.admission.clock() - self.held_at)
             self.held_at = None
@@ -144,8 +149,7 @@ class Ticket:
             return
         self.ending = True
         self.admission.ending[self.replica] = self.admission.ending.get(self.replica, 0) + 1
-        self.admission.release(self.tenant.name, self.admission.clock() - self.held_at)
-        self.held_at = None
+        self._let_go()
         self.admission.pump()
 
     async def wait(self, model: str, roles: frozenset[str] | None = None) -> list[Replica]:
@@ -155,9 +159,7 @@ class Ticket:
         adm = self.admission
         while True:
             await adm.wait(self, model, roles)
-            eligible = adm.pool.eligible(model)
-            if roles is not None:
-                eligible = [r for r in eligible if r.role in roles]
+            eligible = adm.pool.eligible(model, roles)
             if not eligible:  # its replicas went (ejected, drained, removed) while it waited
                 raise NoReplica(f"no healthy replica serves model '{model}'")
             free = [r for r in eligible if adm.has_slot(r)]
@@ -219,14 +221,6 @@ class Admission:
     def _taken(self, r: Replica) -> int:
         """The slots on ``r`` in use: leases not in their last step, and slots handed to waiters."""
         return r.in_flight - self.ending.get(r, 0) + self.reserved.get(r, 0)
-
-    def ended(self, r: Replica) -> None:
-        """A lease in its last step is about to end: its slot was handed on already."""
-        n = self.ending.get(r, 0) - 1
-        if n > 0:
-            self.ending[r] = n
-        else:
-            self.ending.pop(r, None)
 
     # -- shares of a full fleet (policies.fair_share) ---------------------------------------
     def _limits(self) -> list[tuple[Replica, float | None]]:
@@ -341,11 +335,7 @@ class Admission:
             self.pump()
 
     def _unreserve(self, r: Replica) -> None:
-        n = self.reserved.get(r, 0) - 1
-        if n > 0:
-            self.reserved[r] = n
-        else:
-            self.reserved.pop(r, None)
+        _drop_one(self.reserved, r)
 
     # -- handing slots on -----------------------------------------------------------------
     def released(self, replica: Replica) -> None:
@@ -430,6 +420,15 @@ class Admission:
         limits = {r.name: self.limit(r) for r in self.pool.replicas.values()}
         return {"active": self.active, "closed": self.closed, "waiting": self.queue_len,
                 "limits": limits, "tenants": tenants}
+
+
+def _drop_one(counts: dict[Replica, int], r: Replica) -> None:
+    """One fewer for ``r`` in a per-replica count that keeps no zeros."""
+    n = counts.get(r, 0) - 1
+    if n > 0:
+        counts[r] = n
+    else:
+        counts.pop(r, None)
 
 
 def _shutting_down() -> NoReplica:

@@ -202,17 +202,16 @@ class ReplicaPool:
         return self.replicas.pop(name)
 
     # -- selection --------------------------------------------------------
-    def eligible(self, model: str) -> list[Replica]:
+    def eligible(self, model: str, roles: frozenset[str] | None = None) -> list[Replica]:
+        """The replicas that can take a request for ``model`` now (of one of ``roles``: a P/D leg's)."""
         now = self.clock()
-        return [r for r in self.replicas.values() if r.serves(model) and r.available(now)]
+        return [r for r in self.replicas.values()
+                if r.serves(model) and r.available(now) and (roles is None or r.role in roles)]
 
     @property
     def disaggregated(self) -> bool:
         """Whether any replica has a P/D role (prefill or decode): only then does P/D run."""
-        for r in self.replicas.values():
-            if r.role != "both":
-                return True
-        return False
+        return any(r.role != "both" for r in self.replicas.values())
 
     def known_model(self, model: str) -> bool:
         return any(r.serves(model) for r in self.replicas.values())

@@ -176,7 +176,6 @@ class StreamObserver:
         if isinstance(reason, str):
             self.finish_reason = reason
 
-
     def _count_token(self) -> None:
         # A chunk that carries text carries at least one token (several with speculative decoding
         # or a stream interval), so counting chunks can only find the last step late, never early.

@@ -103,9 +103,9 @@ async def open_upstream(
 ) -> Attempt:
     """``roles``: only replicas of these P/D roles (gateway.proxy.disagg; None: any), less ``exclude``
     (the names a leg already failed on)."""
-    candidates = pool.eligible(route.model)
-    if roles is not None:
-        candidates = [r for r in candidates if r.role in roles and not (exclude and r.name in exclude)]
+    candidates = pool.eligible(route.model, roles)
+    if exclude:
+        candidates = [r for r in candidates if r.name not in exclude]
     if not candidates:
         if not pool.known_model(route.model):
             raise NotFound(f"model '{route.model}' is not served here", param="model")
