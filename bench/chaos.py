@@ -506,12 +506,13 @@ def _ms(v: float | None) -> str:
 
 
 def _pd_columns(t: Tally) -> tuple[str, str]:
-    """P/D decisions (remote/local) and fallbacks (prefill retry/local, decode retry)."""
+    """P/D decisions (remote/local) and fallbacks (prefill retry/local, decode retry/local)."""
     def n(name: str, **labels: str) -> str:
         return f"{t.delta(name, **labels):.0f}"
     decisions = "/".join(n("kvgate_pd_decisions_total", decision=d) for d in ("remote", "local"))
     fallbacks = "/".join(n("kvgate_pd_fallbacks_total", leg=leg, fallback=to)
-                         for leg, to in (("prefill", "retry"), ("prefill", "local"), ("decode", "retry")))
+                         for leg, to in (("prefill", "retry"), ("prefill", "local"), ("decode", "retry"),
+                                         ("decode", "local")))
     return decisions, fallbacks
 
 
@@ -519,7 +520,8 @@ def format_table(tallies: list[Tally]) -> str:
     # A P/D fleet's run adds its decisions and fallbacks (kvgate_pd_* on /metrics).
     pd = any(t.delta("kvgate_pd_decisions_total") for t in tallies)
     head = ("scenario", "sent", "ok", "clean errors", "lost", "wrong", "p50/p99 ms (ok)", "cache hits",
-            "retries", "ejections", *(("P/D remote/local", "P/D fallbacks P retry/P local/D retry") if pd else ()),
+            "retries", "ejections",
+            *(("P/D remote/local", "P/D fallbacks P retry/P local/D retry/D local") if pd else ()),
             "fault exercised")
     rows = [head]
     for t in tallies:

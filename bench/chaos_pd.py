@@ -19,8 +19,8 @@ right while they stay cached and wrong once reused, and no router can tell). The
 ``--side-channel-port`` naming p2's port, so the params it returns name an engine that the
 side channel at their address does not run. Each decode's pull is refused ("engine ID
 mismatch"), the decode replica answers 500 before its first byte (vLLM's default
-``kv_load_failure_policy: fail``), and kvgate must prefill again elsewhere. After the load p1
-is started again as it was.
+``kv_load_failure_policy: fail``), and kvgate must have it prefill the request itself
+(``Disagg._recompute``). After the load p1 is started again as it was.
 
 Routing runs with ``disaggregation: always``, as vLLM's own P/D router: every request that
 reaches a replica crosses a prefill replica, so each fault meets the P/D path at once (at
@@ -75,9 +75,12 @@ def _decode_killed(t: Tally) -> str | None:
 
 
 def _transfer_refused(t: Tally) -> str | None:
+    # Every error here is one a healthy decode replica could have avoided (issue 29): it can always
+    # prefill the request itself.
     return (_need(t.facts.get("failed_transfers", 0) > 0, "no decode replica had a pull refused")
-            or _need(t.delta("kvgate_pd_fallbacks_total", leg="decode", fallback="retry") > 0,
-                     "kvgate never prefilled a refused decode again"))
+            or _need(t.delta("kvgate_pd_fallbacks_total", leg="decode", fallback="local") > 0,
+                     "kvgate never prefilled a refused decode leg locally")
+            or _need(t.ok == t.sent, f"{t.sent - t.ok} requests failed though the decode replicas were healthy"))
 
 
 class SimCount:

@@ -6,6 +6,7 @@ leg, never a wrong answer, and no client sees an error a healthy replica could h
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import httpx
@@ -89,6 +90,10 @@ def test_a_decode_replica_failing_before_its_first_byte_is_replaced_and_prefille
     # One prefill leg per request, and one more for each retried decode leg.
     assert pd(fleet, PREFILLS, "remote_prefills") == asked + retries
     assert pd(fleet, ("d2",), "transfers") == asked
+    # d1's first refusal looked like a refused pull, so d1 prefilled locally, and failed that too:
+    # its own failure. From then on its refusals went straight to the budgeted retry elsewhere.
+    assert disagg.fallbacks["decode", "local"] == 1
+    assert fleet.runtime.pool.budget.active_retries == 0
 
 
 def test_a_prefill_replica_killed_is_skipped(fleet: PDStack, ref: PDSim) -> None:
@@ -99,17 +104,43 @@ def test_a_prefill_replica_killed_is_skipped(fleet: PDStack, ref: PDSim) -> None
     assert pd(fleet, ("p2",), "remote_prefills") == 6 and pd(fleet, DECODES, "transfers") == 6
 
 
-def test_a_transfer_refused_is_prefilled_again_elsewhere() -> None:
+def test_a_transfer_refused_is_prefilled_locally_on_the_same_decode_replica() -> None:
     # p1 names a side channel nobody listens on: every pull of its blocks fails, and vLLM's
-    # default kv_load_failure_policy ("fail") answers 500 before any byte.
+    # default kv_load_failure_policy ("fail") answers 500 before any byte. The decode replica that
+    # refused prefills the request itself, as vLLM's "recompute" policy would: no retry elsewhere.
     with PDSim("ref2") as ref:
         stack = PDStack(ROLES, routing={"disaggregation": "always"}, per_sim={"p1": {"side_channel_port": 9}},
                         pool={"eject_consecutive_failures": 100})
         try:
-            disagg = stack.runtime.disagg
-            asked = until(stack, ref, "transfer refused", lambda: disagg.fallbacks["decode", "retry"] >= 1)
-            assert pd(stack, DECODES, "failed_transfers") == disagg.fallbacks["decode", "retry"]
-            assert pd(stack, DECODES, "transfers") == asked  # each answer pulled from p2 in the end
+            fallbacks = stack.runtime.disagg.fallbacks
+            asked = until(stack, ref, "transfer refused", lambda: fallbacks["decode", "local"] >= 2)
+            assert pd(stack, DECODES, "failed_transfers") == fallbacks["decode", "local"]
+            assert fallbacks["decode", "retry"] == 0 and stack.runtime.pool.budget.active_retries == 0
+            # The others pulled from p2; the refused ones pulled nothing more.
+            assert pd(stack, DECODES, "transfers") == asked - fallbacks["decode", "local"]
+            assert pd(stack, PREFILLS, "remote_prefills") == asked  # no second prefill leg
+        finally:
+            stack.close()
+
+
+def test_refused_transfers_need_no_retry_budget() -> None:
+    # The fault's first second in the chaos run (bench.chaos_pd, transfer_refused): many requests
+    # carry p1's params at once, past the fleet's retry budget, before p1 is ejected. Here the
+    # budget allows no retry at all, and a burst of concurrent requests meets p1's refusals: each
+    # must still get its answer, for a healthy decode replica could give it.
+    with PDSim("ref4") as ref:
+        stack = PDStack(ROLES, routing={"disaggregation": "always"}, per_sim={"p1": {"side_channel_port": 9}},
+                        pool={"eject_consecutive_failures": 100, "retry_budget_ratio": 0.0, "retry_budget_min": 0})
+        try:
+            questions = [chat(f"no budget {i}") for i in range(TRIES)]
+            with ThreadPoolExecutor(8) as burst:
+                answers = list(burst.map(lambda m: ask(stack, m, stream=len(m[0]["content"]) % 2 == 0),
+                                         questions))
+            assert answers == [expected(ref, m) for m in questions]
+            fallbacks = stack.runtime.disagg.fallbacks
+            assert fallbacks["decode", "local"] >= 1, "no request was prefilled by p1: the fault was never met"
+            assert pd(stack, DECODES, "failed_transfers") == fallbacks["decode", "local"]
+            assert fallbacks["decode", "retry"] == 0 and stack.runtime.pool.budget.active_retries == 0
         finally:
             stack.close()
 

@@ -24,9 +24,12 @@ Faults: a prefill leg that fails (5xx, garbage) is retried once on another
 prefill replica, then falls back to a local prefill; one that times out, is
 refused (4xx) or answers without params falls back at once (another would most
 likely do the same, and the wait is spent); a decode replica that fails before
-its first byte (5xx, a failed pull included) is replaced by another decode
-replica, prefilled again on another prefill replica, within the pool's retry
-budget. Once the client has seen a byte, nothing is retried (the relay's rules).
+its first byte with a prefill replica's params (5xx: vLLM's answer to a failed
+pull) prefills locally, on the same replica and outside the retry budget
+(``Disagg._recompute`` says why); one that fails otherwise, or fails that too, is
+replaced by another decode replica, prefilled again on another prefill replica,
+within the pool's retry budget. Once the client has seen a byte, nothing is
+retried (the relay's rules).
 When no replica has a P/D role none of this runs: the endpoint's only cost is a
 scan of the replicas' roles (``ReplicaPool.disaggregated``).
 
@@ -49,7 +52,7 @@ from routing import RouteFeedback, RouteRequest, load_now
 from routing.backlog import CHARS_PER_TOKEN
 from routing.disagg import Decision, Terms, decide
 
-from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
+from gateway.errors import GatewayError, NoReplica, UpstreamError, UpstreamTimeout
 from .relay import read_whole
 from .sse import Usage
 from .upstream import Attempt, SentAndDropped, UpstreamCall, open_upstream, read_error_body
@@ -171,6 +174,9 @@ class Disagg:
         self.prefill_prompt = 0
         self.prefill_cached = 0
         self.transfer_tokens = 0.0
+        # Decode replicas whose local prefill after a refused pull (``_recompute``) failed too, since
+        # they last answered a decode leg: broken in themselves, they get no more local prefills.
+        self.recompute_failed: set[str] = set()
 
     @property
     def active(self) -> bool:
@@ -238,53 +244,124 @@ class Disagg:
         tried: set[str] = set()
         prefilled: set[str] = set()  # prefill replicas whose params a decode replica failed on
         budget = 0  # the pool's retry budget, held by a retried decode leg until its attempt ends
-        for attempt_no in range(2):
-            decode_call = call
-            record.prefill, record.pulled = None, 0.0
-            if decision.remote:
-                params = await self._prefill(ctx, route, call, leg, body, prefilled)
-                if params is not None:
-                    decode_call = _replace_payload(call, with_params(call.payload, params))
-                    record.pulled = _pulled(terms, params)
-            record.decode_sent_at = time.perf_counter()
-            try:
-                attempt = await open_upstream(rt.pool, rt.policy, route, decode_call, rt.replica_keys, ctx.ticket,
-                                              roles=DECODE_ROLES, exclude=tried)
-            except SentAndDropped as dropped:
-                # The params reached a replica that died before answering: it may have pulled the
-                # blocks, and the prefill replica frees what was read. Never send them again:
-                # another decode replica, prefilled again, as after a 5xx.
-                for _ in range(budget):
-                    rt.pool.budget.release()
-                budget = 0
-                if attempt_no == 1:
-                    raise
-                self._leg("decode", dropped.replica, False)
-                rt.policy.observe(route, RouteFeedback(dropped.replica, None, None, False))
-                budget = self._retry_decode(ctx, dropped.replica, dropped, record, tried, prefilled)
-                continue
-            except BaseException:
-                for _ in range(budget):
-                    rt.pool.budget.release()
-                raise
-            attempt.budget_held += budget
-            budget = 0
-            status = attempt.response.status_code
-            self._pulled_from(record.prefill, status < 500)
-            if status < 500 or attempt_no == 1:
-                self._leg("decode", attempt.replica.name, status < 500)
-                return attempt
-            # Failed before its first byte: another decode replica, prefilled again (the blocks
-            # the prefill replica pinned for this one expire there, as vLLM's lease does). On
-            # another prefill replica too: a 500 from vLLM's decode is also what a failed pull
-            # gives (kv_load_failure_policy "fail"), and the transfer may be what failed.
-            err = await read_error_body(attempt.response, attempt.replica)
-            self._leg("decode", attempt.replica.name, False)
-            await attempt.close()
-            # The failed placement's marks go (backlog, requests in flight); the route is picked again.
-            rt.policy.observe(route, RouteFeedback(attempt.replica.name, None, None, False))
-            budget = self._retry_decode(ctx, attempt.replica.name, err, record, tried, prefilled)
+        try:
+            for attempt_no in range(2):
+                decode_call = call
+                record.prefill, record.pulled = None, 0.0
+                if decision.remote:
+                    params = await self._prefill(ctx, route, call, leg, body, prefilled)
+                    if params is not None:
+                        decode_call = _replace_payload(call, with_params(call.payload, params))
+                        record.pulled = _pulled(terms, params)
+                outcome = await self._decode(ctx, route, call, decode_call, tried, last=attempt_no == 1)
+                if isinstance(outcome, Attempt):
+                    outcome.budget_held, budget = outcome.budget_held + budget, 0
+                    return outcome
+                # Failed before its first byte: another decode replica, prefilled again (the blocks
+                # the prefill replica pinned for this one expire there, as vLLM's lease does). On
+                # another prefill replica too: a 500 from vLLM's decode is also what a failed pull
+                # gives (kv_load_failure_policy "fail"), and the transfer may be what failed.
+                failed, err = outcome
+                budget = self._retry_decode(ctx, failed, err, record, tried, prefilled)
+        finally:
+            for _ in range(budget):
+                rt.pool.budget.release()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _decode(self, ctx: "RequestContext", route: RouteRequest, call: UpstreamCall,
+                      decode_call: UpstreamCall, tried: set[str], last: bool) -> Attempt | tuple[str, GatewayError]:
+        """One decode leg (``decode_call``: the client's call, with params or without), and the local
+        prefill on the same replica if it refused the params (``_recompute``). The attempt to relay
+        (on the ``last`` try, whatever its status), or the replica that failed and its error."""
+        rt = self.rt
+        record = ctx.disagg
+        assert record is not None
+        record.decode_sent_at = time.perf_counter()
+        try:
+            attempt = await open_upstream(rt.pool, rt.policy, route, decode_call, rt.replica_keys, ctx.ticket,
+                                          roles=DECODE_ROLES, exclude=tried)
+        except SentAndDropped as dropped:
+            # The params reached a replica that died before answering: it may have pulled the
+            # blocks, and the prefill replica frees what was read. Never send them again:
+            # another decode replica, prefilled again, as after a 5xx.
+            if last:
+                raise
+            self._leg("decode", dropped.replica, False)
+            rt.policy.observe(route, RouteFeedback(dropped.replica, None, None, False))
+            return dropped.replica, dropped
+        status = attempt.response.status_code
+        self._pulled_from(record.prefill, status < 500)
+        if status >= 500 and record.prefill is not None and attempt.replica.name not in self.recompute_failed:
+            replica = attempt.replica.name
+            try:
+                attempt = await self._recompute(ctx, route, call, attempt)
+            except (NoReplica, UpstreamError) as exc:
+                # Gone since it answered (ejected, or refusing connections): elsewhere, within the budget.
+                if isinstance(exc, UpstreamError):
+                    self.recompute_failed.add(replica)
+                if last:
+                    raise
+                return replica, exc
+            status = attempt.response.status_code
+            if status >= 500:
+                self.recompute_failed.add(replica)
+        if status < 500:
+            self.recompute_failed.discard(attempt.replica.name)
+        if status < 500 or last:
+            self._leg("decode", attempt.replica.name, status < 500)
+            return attempt
+        return attempt.replica.name, await self._drop(route, attempt)
+
+    async def _recompute(self, ctx: "RequestContext", route: RouteRequest, call: UpstreamCall,
+                         refused: Attempt) -> Attempt:
+        """A decode leg that failed before its first byte while carrying a prefill replica's params,
+        sent again to the same decode replica without them: it prefills locally. The refused attempt
+        is closed; the local one is returned, whatever its status.
+
+        Why not another prefill replica and another decode replica, as after any other failure: that
+        is a retry, bounded by the pool's retry budget, and the budget is there for an overloaded
+        fleet, where each retry adds load that is not there to give. A refused pull is not that. The
+        decode replica refused before computing anything (vLLM's ``kv_load_failure_policy: fail``
+        answers 500 as soon as the pull fails), and the fault is one prefill replica whose params
+        cannot be pulled: when it starts failing, about every request it prefilled fails at once,
+        far past the budget's share (20% of the requests in flight), before outlier detection has
+        seen enough to eject it, and those clients got a 502 that the healthy decode replica could
+        have avoided. Prefilling there costs what a local decision (``selective``) costs and moves
+        no load to another replica; it is what vLLM's own ``kv_load_failure_policy: recompute`` does
+        inside the decode replica. So it takes no budget.
+
+        What keeps it from amplifying a real overload: it goes only to the replica that already had
+        the request, at most once per decode replica a request reaches (moving to another still takes
+        the budget). And a decode replica broken in itself fails this local attempt too: that counts
+        against it (the call carries no params, so its failure is its own, towards ejection), and
+        until it next answers a decode leg (``recompute_failed``) its refusals go straight to the
+        budgeted retry elsewhere. Not its ``consecutive_failures``: a replica killed and started
+        again keeps the count of the requests that died with it until its first success, and it
+        would be refused the local prefill for the fault of another replica."""
+        rt = self.rt
+        record = ctx.disagg
+        assert record is not None
+        replica = refused.replica
+        await self._drop(route, refused)
+        self._fallback("decode", "local")
+        log.warning("decode leg failed before its first byte with a prefill replica's params; prefilling locally",
+                    extra={"request_id": ctx.request_id, "replica": replica.name, "prefill": record.prefill})
+        # Nothing was pulled: no transfer to learn from, no prefill replica to tell of the answer.
+        record.prefill, record.pulled = None, 0.0
+        record.decode_sent_at = time.perf_counter()
+        # That replica only. The call carries no params, so it is not ``once``: a failure is its own.
+        others = {name for name in rt.pool.replicas if name != replica.name}
+        return await open_upstream(rt.pool, rt.policy, route, call, rt.replica_keys, ctx.ticket,
+                                   roles=DECODE_ROLES, exclude=others)
+
+    async def _drop(self, route: RouteRequest, attempt: Attempt) -> GatewayError:
+        """A decode leg that failed before its first byte: its error read, the leg counted and closed,
+        and its placement's marks (backlog, requests in flight) taken off: the route is picked again."""
+        err = await read_error_body(attempt.response, attempt.replica)
+        self._leg("decode", attempt.replica.name, False)
+        await attempt.close()
+        self.rt.policy.observe(route, RouteFeedback(attempt.replica.name, None, None, False))
+        return err
 
     def _pulled_from(self, prefill: str | None, ok: bool) -> None:
         """A decode leg that carried a prefill replica's params answered (``ok``) or failed before
