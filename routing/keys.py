@@ -103,7 +103,8 @@ def analyse(request: RouteRequest, settings: RoutingSettings, chains: ChainCache
 class PrefixKeyer:
     """Chooses routing keys; owns the per-instance popularity estimate."""
 
-    def __init__(self, settings: RoutingSettings, layers_inside_messages: bool = True) -> None:
+    def __init__(self, settings: RoutingSettings, layers_inside_messages: bool = True,
+                 chains: ChainCache | None = None) -> None:
         """``layers_inside_messages``: also cut at sampled block positions, to find layers
         nobody declared inside one message (an organisation's policies inside a long
         system prompt). A policy that finds shared blocks through its index needs only
@@ -111,9 +112,11 @@ class PrefixKeyer:
         short of its own end, is cut at sampled positions either way (``_cuts``)."""
         self.settings = settings
         self.popularity = Popularity(max(1000, settings.index_capacity // 4))
-        self.chains = ChainCache()
+        self.chains = chains if chains is not None else ChainCache()
         self._sampled = sampled_positions(settings.max_blocks)
         self._positions = self._sampled if layers_inside_messages else ()
+        # Two keyers may key one request (``ttft``'s key and its home's anchor): each keeps its own.
+        self._slot = _SCRATCH_KEY + (".layers" if layers_inside_messages else "")
         # First spans' sampled cuts and keys, by the chain hash that names the span (``_cuts``).
         self._inner: dict[int, tuple[list[int], list[int]]] = {}
 
@@ -154,7 +157,7 @@ class PrefixKeyer:
         per request however often it is asked; ``learn=False`` is a side-effect
         free peek (what this instance would do, used to measure agreement).
         """
-        cached = request.scratch.get(_SCRATCH_KEY)
+        cached = request.scratch.get(self._slot)
         if cached is not None and cached[0] is self:
             return cached[1]
         info = analyse(request, self.settings, self.chains)
@@ -171,5 +174,5 @@ class PrefixKeyer:
             i = self.popularity.first_narrow(keys, window, wide_share, record=False)
         chosen = RouteKey(keys[i], cuts[i], cuts[i - 1] if i else 0) if keys else RouteKey(info.seed, 0)
         if learn:
-            request.scratch[_SCRATCH_KEY] = (self, chosen)
+            request.scratch[self._slot] = (self, chosen)
         return chosen

@@ -51,7 +51,8 @@ blocks):
   later. Zero where pools do not evict, or what they evict never returns.
   Each instance models its own part of every pool: the pool's size times the
   part of the replicas' queues that is its own (``1 - share``), since the
-  other instances' requests take the rest of the same LRU. Modelled at the
+  other instances' requests take the rest of the same LRU (in precise mode,
+  whose belief is the events, the whole pool: ``_hold``). Modelled at the
   whole size, an instance of four believed warm what the others' traffic had
   evicted: its belief missed the replicas' ``cached_tokens`` by 0.39 of the
   prompt on ``shared_prefix``, against 0.21 with its share.
@@ -79,10 +80,18 @@ under pressure and collapsed a KV-bound fleet (the benchmark page), so it is
 not kept.
 
 **The home.** The request's key (``routing.keys``) orders the replicas by
-rendezvous hashing, the same order on every instance; when this instance
-knows of no replica holding the key, the first of that order is presumed to
-hold the request's context with the chance that another instance sent it
-there (the others' share of the queues the replicas report).
+rendezvous hashing, the same order on every instance, and orders ties. When
+this instance knows of no replica holding the key, one replica is presumed to
+hold the request's context with the chance that another instance sent it there
+(the others' share of the queues the replicas report): the first in the
+rendezvous order of the request's *anchor*, the shallowest prefix that is not
+wide, cut inside messages too. An organisation's policies inside one system
+message, before each person's profile, are such a prefix, so every instance
+presumes an organisation's new people at the replica its layers live on. (With
+the key's own first choice as the home, each person had one of their own, every
+replica came to hold every organisation's layers, and four instances kept 0.72
+of one instance's reuse on ``orgs_layered``.) Alone there is no one to agree
+with: nothing is presumed, and the anchor decides nothing.
 
 ``observe`` records that the serving replica now holds the whole prompt,
 learns the mean uncached prompt, the prediction's error and the rate's scale,
@@ -173,13 +182,16 @@ class TTFTAffinity:
     def __init__(self, settings: RoutingSettings | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings or RoutingSettings()
-        # The key orders ties and names the home that instances sharing nothing agree on. Cut
-        # at message ends and explicit boundaries only (a flat prompt, which has none, at
-        # sampled positions: routing.keys): the index finds layers inside a message anyway.
-        # (Cut inside messages too, an organisation's layers share a home and four instances
-        # keep one's reuse on orgs_layered, but one instance lost its tail on the generated
-        # suite: docs/benchmarks/routing-ttft.md.)
+        # The key orders ties and is what the index says is held. Cut at message ends and
+        # explicit boundaries only (a flat prompt, which has none, at sampled positions:
+        # routing.keys): the index finds layers inside a message anyway. (Ordered by keys cut
+        # inside messages too, an organisation's cold requests crowd the replicas its hash
+        # favours: one instance lost its tail on the generated suite, and precise mode 0.04 of
+        # reuse on orgs_layered: docs/benchmarks/routing-ttft.md.)
         self.keyer = PrefixKeyer(self.settings, layers_inside_messages=False)
+        # The home, where other instances presumably sent the request's context, is named by
+        # the shallowest prefix that is not wide, cut inside messages too (the module doc).
+        self.anchors = PrefixKeyer(self.settings, layers_inside_messages=True, chains=self.keyer.chains)
         self.index = BlockIndex(self.settings.index_capacity, self.settings.max_blocks, tails=True)
         self.pools = PoolModel()
         self.bits = ReplicaBits()
@@ -299,8 +311,13 @@ class TTFTAffinity:
             entries = [route.key] + [info.hashes[p] for p in at]
             weights = [0] + [p - (at[i - 1] if i else -1) for i, p in enumerate(at)]
             # Other instances' requests take their share of the same LRU: this instance's
-            # blocks live in what is left of it.
-            capacity = int(size * (1.0 - self._others_share) * CHARS_PER_TOKEN / info.block)
+            # blocks live in what is left of it. That share keeps the index's belief near
+            # what the pool still holds; in precise mode the belief is the replicas' events,
+            # and the model only prices evictions (``refill``): at an eighth of the pool, an
+            # instance of eight charged a busy home's evictions as if its own requests filled
+            # it, kept sending there, and shared_prefix collapsed (the benchmark page).
+            own = 1.0 if self.truth is not None else 1.0 - self._others_share
+            capacity = int(size * own * CHARS_PER_TOKEN / info.block)
             evicted = self.pools.touch(bit, entries, weights, capacity)
             if evicted:
                 self.index.forget(evicted, bit)
@@ -312,6 +329,8 @@ class TTFTAffinity:
         info = analyse(request, self.settings, self.keyer.chains)
         route = self.keyer.key_for(request, len(replicas), learn=learn)
         order = self._orders.order(route.key, replicas)
+        anchor = self.anchors.key_for(request, len(replicas), learn=learn)
+        home = _home(self._orders.order(anchor.key, replicas)[0], order) if anchor.key != route.key else 0
         n = len(order)
         waiting, share = _others(order)
         if learn:
@@ -320,7 +339,7 @@ class TTFTAffinity:
         rates = [x / scale if x is not None else None for x in _rates(order)]
         keys = self._keys(request)
         precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
-        held, sources, prompt_tokens, depths = self._held(info, route, order, precise, request, share)
+        held, sources, prompt_tokens, depths = self._held(info, route, order, home, precise, request, share)
         uncached = [max(0.0, prompt_tokens - h) for h in held]
         # Another client's waiting request weighs what a request of ours was reported to
         # compute; before any report, what this one would compute there.
@@ -351,7 +370,7 @@ class TTFTAffinity:
         busy = sum(1 for a in ahead if a > 0) / n
         least_uncached = min(uncached)
         excess = [(u - least_uncached) / speed[i] * busy for i, u in enumerate(uncached)]
-        strays = [astray / speed[i] if i else 0.0 for i in range(n)]
+        strays = [astray / speed[i] if i != home else 0.0 for i in range(n)]
         cost = [ttft[i] + strays[i] + excess[i] + refill[i] for i in range(n)]
         # The pick: least cost; within the prediction's error of it, fewest tokens computed.
         band = self.error.get(0.0) if rates[0] is not None else 0.0
@@ -382,7 +401,7 @@ class TTFTAffinity:
             mark = self.backlog.add(chosen.name, uncached[c], rates[c])
             request.scratch[_MARK] = (chosen.name, mark, rates[c])
             request.scratch[_PREDICTED] = (chosen.name, ttft[c] if rates[c] is not None else None, held[c], scale)
-            self._commit(request, info, route, chosen, order[0], depths)
+            self._commit(request, info, route, chosen, order[home], depths)
             if keys and self.truth is not None:
                 if chosen.name in precise:
                     self.precise_decisions += 1
@@ -395,8 +414,9 @@ class TTFTAffinity:
         predicted = self._predicted.total
         return self._observed.total / predicted if predicted > 0 and self._observed.total > 0 else 1.0
 
-    def _held(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], precise: dict[str, float],
-              request: RouteRequest, share: float) -> tuple[list[float], list[str], float, dict[int, int]]:
+    def _held(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], home: int,
+              precise: dict[str, float], request: RouteRequest,
+              share: float) -> tuple[list[float], list[str], float, dict[int, int]]:
         """``held(r)`` for every replica, in prompt tokens, with its source; the prompt in tokens;
         and the index's depths (blocks, by replica bit) they were read from."""
         prompt = len(info.rendered.data)
@@ -423,7 +443,7 @@ class TTFTAffinity:
             best, source = 0.0, "none"
             if r.name in precise and tokens:
                 best, source = precise[r.name] * block, "events"
-                if i == 0 and not fleet_holds and presumed > best:
+                if i == home and not fleet_holds and presumed > best:
                     best, source = presumed, "home"
                 held.append(min(best, prompt_tokens))
                 sources.append(source if best else "none")
@@ -440,7 +460,7 @@ class TTFTAffinity:
                     keyed = (context if blind or not indexed else route.cut) * scale
                     if keyed > best:
                         best, source = keyed, "key"
-            if i == 0 and presumed > best:
+            if i == home and presumed > best:
                 best, source = presumed, "home"
             # A wide prefix (``RouteKey.shared``: more than a replica's share of the traffic)
             # is warm wherever any of its traffic went, other instances' included: without
@@ -469,6 +489,11 @@ class TTFTAffinity:
         if info.hashes:
             self._hold(info, route, bit, chosen, depths.get(bit, 0))
             request.scratch[_SENT] = chosen.name
+
+
+def _home(first: ReplicaView, order: list[ReplicaView]) -> int:
+    """Where the anchor's first choice stands in the key's order."""
+    return next(i for i, r in enumerate(order) if r is first)
 
 
 def _rates(replicas: Sequence[ReplicaView]) -> list[float | None]:

@@ -208,3 +208,36 @@ def test_tokens_beyond_the_fewest_cost_more_the_busier_the_fleet() -> None:
     cold = [t for n, t in full.items() if n != home.name]
     assert all(t.excess > idle[t.replica].excess > 0 for t in cold)
     assert policy.peek(twin(3, 2), replicas)[0] is home
+
+
+def layered(org: int, person: int, q: int) -> RouteRequest:
+    """One system message: global instructions > an organisation's policies > a person's profile."""
+    system = ("Global instructions. " * 100 + f"Policies of organisation {org}: "
+              + "".join(f"rule {org}.{j}; " for j in range(150)) + f"Profile of person {org}.{person}. " * 20)
+    return RouteRequest("chat", "m", "t", {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": f"question {q}: " + "why " * 40}]})
+
+
+def test_instances_sharing_nothing_agree_on_an_organisations_home() -> None:
+    # Four instances, each with a quarter of the traffic (the replicas' queues are the others'),
+    # each sees different people of the same organisations. An organisation's policies sit
+    # inside one system message, before each person's profile: every instance must send a
+    # person it has never seen to the same replica, the one its organisation's layers live on
+    # (keyed by the person, each person would have a home of its own, and every replica would
+    # have to hold every organisation's layers).
+    replicas = rated(8)
+    for r in replicas:
+        r.running, r.waiting = 1.0, 0.0  # queues that are not this instance's: others exist
+    homes: dict[int, set[str]] = {org: set() for org in range(6)}
+    for inst in range(4):
+        policy = TTFTAffinity()
+        # Warm-up: the global instructions are in every request, so wide; an organisation
+        # (one of 24) carries less than a replica's share, so it is not.
+        for i in range(96):
+            served(policy, layered(i % 24, 100 * inst + i, i), replicas)
+        for org in range(6):
+            chosen = policy.prefer(layered(org, 1000 + 10 * inst + org, 0), replicas)[0]
+            homes[org].add(chosen.name)
+    assert all(len(names) == 1 for names in homes.values()), homes
+    # Not one home for everything: organisations are spread.
+    assert len({next(iter(names)) for names in homes.values()}) > 1, homes
