@@ -109,7 +109,7 @@ def test_refused_connection_is_retried_elsewhere() -> None:
 def test_replica_answering_5xx_is_ejected_and_returns_when_healthy() -> None:
     # least_load: with both idle it picks r1 first, so the failing replica takes the first two requests.
     stack = start_stack(2, routing={"policy": "least_load"},
-                        pool={"eject_consecutive_failures": 2, "eject_base_s": 0.5,
+                        pool={"eject_consecutive_failures": 2, "eject_base_s": 3.0,
                               "health_interval_s": 0.1, "metrics_interval_s": 60})
     try:
         stack.faults("r1", error_rate=1.0, error_status=500)
@@ -120,7 +120,8 @@ def test_replica_answering_5xx_is_ejected_and_returns_when_healthy() -> None:
         assert statuses[2:] == [200, 200]  # r1 ejected, r2 serves
         assert pool.replicas["r1"].ejections == 1
         stack.faults("r1", error_rate=0.0)
-        assert stack.wait_for(lambda: pool.replicas["r1"].available(pool.clock()), timeout=3)
+        # The ejection (3 s: long enough for the two requests above on a loaded machine) ends.
+        assert stack.wait_for(lambda: pool.replicas["r1"].available(pool.clock()), timeout=10)
         served = {httpx.post(stack.base_url + "/chat/completions", json=_chat(stack, max_tokens=2),
                              timeout=10).headers["x-kvgate-replica"] for _ in range(2)}
         assert "r1" in served or pool.replicas["r1"].served > 0

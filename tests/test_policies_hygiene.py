@@ -179,7 +179,9 @@ def test_hostile_input_stays_bounded() -> None:
     junk = ("1:1:1:1:" * 5000) + ("a" * 50_000) + ("request_id=" * 3000)
     started = time.perf_counter()
     analyze(chat(junk))
-    assert time.perf_counter() - started < 0.5
+    # Not a speed claim (that is bench/hygiene_cost.py): a bound that tells linear scanning,
+    # a few milliseconds here, from catastrophic backtracking, minutes, on a loaded machine too.
+    assert time.perf_counter() - started < 5.0
 
 
 def test_a_20k_character_system_prompt_is_scanned_in_linear_time() -> None:
