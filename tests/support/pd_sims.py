@@ -37,7 +37,7 @@ class PDSim:
             try:
                 self.server = ServerThread(build_sim(cfg), port=self.port)
                 break
-            except OSError:
+            except (OSError, zmq.ZMQError):  # the HTTP port, or a KV-event socket's (zmq raises its own)
                 if attempt == 4:
                     raise
 
