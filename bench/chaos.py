@@ -36,6 +36,7 @@ import orjson
 
 from bench.chaos_check import Expected, Verdict, expected_answer, judge_stream, judge_unary
 from bench.chaos_fleet import MODEL, Fleet, parse_metrics, start_fleet
+from bench.chaos_report import format_details, format_table
 
 API_KEY = "sk-kvg-chaos-run-key-0000000000000000"
 SIM_FLAGS = {"decode_base_s": 0.02, "decode_s_per_seq": 0.0005, "max_num_seqs": 64}
@@ -498,53 +499,6 @@ async def run_chaos(fleet: Fleet, scenarios: list[Scenario], *, duration: float,
             if fleet.gateway.proc.poll() is not None:
                 break
     return tallies
-
-
-# -- report -----------------------------------------------------------------------------------------
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
-
-
-def _pd_columns(t: Tally) -> tuple[str, str]:
-    """P/D decisions (remote/local) and fallbacks (prefill retry/local, decode retry/local)."""
-    def n(name: str, **labels: str) -> str:
-        return f"{t.delta(name, **labels):.0f}"
-    decisions = "/".join(n("kvgate_pd_decisions_total", decision=d) for d in ("remote", "local"))
-    fallbacks = "/".join(n("kvgate_pd_fallbacks_total", leg=leg, fallback=to)
-                         for leg, to in (("prefill", "retry"), ("prefill", "local"), ("decode", "retry"),
-                                         ("decode", "local")))
-    return decisions, fallbacks
-
-
-def format_table(tallies: list[Tally]) -> str:
-    # A P/D fleet's run adds its decisions and fallbacks (kvgate_pd_* on /metrics).
-    pd = any(t.delta("kvgate_pd_decisions_total") for t in tallies)
-    head = ("scenario", "sent", "ok", "clean errors", "lost", "wrong", "p50/p99 ms (ok)", "cache hits",
-            "retries", "ejections",
-            *(("P/D remote/local", "P/D fallbacks P retry/P local/D retry/D local") if pd else ()),
-            "fault exercised")
-    rows = [head]
-    for t in tallies:
-        why = t.unexercised
-        rows.append((t.scenario, str(t.sent), str(t.ok), str(t.clean), str(t.lost), str(t.wrong),
-                     f"{_ms(t.latency_ms(0.5))}/{_ms(t.latency_ms(0.99))}", str(t.cache_hits),
-                     f"{t.retries:.0f}", f"{t.ejections:.0f}", *(_pd_columns(t) if pd else ()),
-                     "yes" if why is None else f"NO: {why}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
-
-
-def format_details(tallies: list[Tally]) -> str:
-    out = []
-    for t in tallies:
-        lines = [f"  {n:5d}  {d}" for d, n in sorted(t.details().items())]
-        lines += [f"  note: {n}" for n in t.notes]
-        lines += [f"  REPRO: {r}" for r in t.repros()]
-        if lines:
-            out.append(f"{t.scenario} (settled in {t.settle_s:.1f} s):\n" + "\n".join(lines))
-    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ import orjson
 import pytest
 
 from bench import chaos_pd, soak
-from bench.chaos import BY_NAME, GATEWAY, SIM_FLAGS, Scenario, Tally, format_details, format_table, run_chaos
+from bench.chaos import BY_NAME, GATEWAY, SIM_FLAGS, Scenario, Tally, run_chaos
+from bench.chaos_report import format_details, format_table
 from bench.chaos_check import Expected, expected_answer, judge_stream, judge_unary
 from bench.chaos_fleet import Fleet, start_fleet
 
