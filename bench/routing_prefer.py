@@ -1,6 +1,6 @@
 """What a routing decision costs in process: ``prefer`` + ``observe`` per policy, on one chat request shape.
 
-    .venv/bin/python -m bench.routing_prefer                     # round_robin, prefix_affinity; 4K tokens
+    .venv/bin/python -m bench.routing_prefer                     # round_robin, prefix_affinity, ttft; 4K tokens
     .venv/bin/python -m bench.routing_prefer --prompt-tokens 282 --requests 5000
     .venv/bin/python -m bench.routing_prefer --evict-mb 8       # caches evicted between decisions
 
@@ -29,6 +29,7 @@ import time
 from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.prefix_affinity import PrefixAffinity
 from routing.round_robin import RoundRobin
+from routing.ttft_affinity import TTFTAffinity
 
 from .overhead import _TOKENS_PER_WORD, _TURNS, system_prompt
 from .routing_sim import SimView
@@ -36,6 +37,7 @@ from .routing_sim import SimView
 POLICIES = {
     "round_robin": lambda: RoundRobin(),
     "prefix_affinity": lambda: PrefixAffinity(RoutingSettings()),
+    "ttft": lambda: TTFTAffinity(RoutingSettings()),
 }
 
 

@@ -1,10 +1,12 @@
 """Which routing modules are compiled (mypyc), and when the compiled build is not used.
 
-The per-request path of the default policy (render, hash, key, score, bound)
-is plain typed Python. Interpreted it costs about 140 us a decision on a
-4K-token chat request; compiled by mypyc from the same source, about 70 us
-(``bench.routing_prefer``), the difference between meeting the gateway's
-overhead budget and not. So ``setup.py`` compiles these modules when it can
+The per-request path of the routing policies (render, hash, key, score, bound)
+is plain typed Python. Interpreted, the default policy costs about 140 us a
+decision on a 4K-token chat request; compiled by mypyc from the same source,
+about 70 us (``bench.routing_prefer``), the difference between meeting the
+gateway's overhead budget and not. ``ttft`` and its pool model are compiled
+too: in process, with the caches warm, 67 us interpreted against 21 us
+compiled (``bench.routing_prefer``, 2026-12-03). So ``setup.py`` compiles these modules when it can
 (a C compiler and mypyc are there) and installs them interpreted when it cannot:
 the same source either way, so the same decisions (``tests/test_routing_native.py``
 compares the two).
@@ -37,7 +39,7 @@ __all__ = ["COMPILED", "FromSource", "compiled", "fresh", "install"]
 
 # The decision's hot path, and only modules whose every import is interpreted-safe.
 COMPILED = ("backlog", "block_index", "boundary", "chains", "hashing", "hotness", "keys", "messages_view",
-            "prefix_affinity", "rendezvous")
+            "pool_model", "prefix_affinity", "rendezvous", "ttft_affinity")
 # The package's compiled group (mypyc's shared library: routing/native__mypyc.*.so).
 GROUP = "routing.native"
 # Written beside them by a successful compile: the digest of the sources compiled.

@@ -14,10 +14,10 @@ from routing import _native
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _decisions(seed: int, interpreted: bool) -> str:
+def _decisions(seed: int, interpreted: bool, policy: str) -> str:
     env = {**os.environ, "KVGATE_INTERPRETED": "1" if interpreted else ""}
     probe = ("import sys, routing._native as n; from tests.support.decisions import run; "
-             f"print(n.compiled()); print('\\n'.join(run({seed}, 4000)))")
+             f"print(n.compiled()); print('\\n'.join(run({seed}, 4000, {policy!r})))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     mode, _, decisions = out.partition("\n")
@@ -26,9 +26,10 @@ def _decisions(seed: int, interpreted: bool) -> str:
 
 
 @pytest.mark.skipif(not _native.compiled(), reason="routing is not compiled here (no mypyc or C compiler)")
+@pytest.mark.parametrize("policy", ["prefix_affinity", "ttft"])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_compiled_and_interpreted_routing_decide_alike(seed: int) -> None:
-    compiled, interpreted = _decisions(seed, False), _decisions(seed, True)
+def test_compiled_and_interpreted_routing_decide_alike(seed: int, policy: str) -> None:
+    compiled, interpreted = _decisions(seed, False, policy), _decisions(seed, True, policy)
     assert compiled.count("\n") > 1500  # thousands of decisions, over every replica
     assert len({line.split()[1] for line in compiled.splitlines()}) == 5
     assert compiled == interpreted

@@ -1,12 +1,15 @@
-"""A seeded mix of requests through prefix affinity, printed as its decisions (one process each).
+"""A seeded mix of requests through a routing policy, printed as its decisions (one process each).
 
-    python -m tests.support.decisions SEED N
+    python -m tests.support.decisions SEED N [POLICY]     # prefix_affinity (the default) or ttft
 
 Conversations growing turn by turn behind shared and per-organisation system
 prompts, flat completions prompts, Anthropic breakpoints and boundary markers,
 tool lists, the Messages protocol; replicas that report queues; requests held
 for random times, some failing; two instances, one of them told the other's
-facts (``share_index``). Run by ``tests/test_routing_native.py`` once compiled
+facts (``share_index``). For ``ttft``, replicas also report prefill rates and
+pool sizes, and replies cached tokens and a first token's time (what it learns
+from), drawn from a second generator so that ``prefix_affinity``'s sequence,
+and its decisions' digest in the docs, stay as they were. Run by ``tests/test_routing_native.py`` once compiled
 and once interpreted (``KVGATE_INTERPRETED=1``): the outputs must be equal.
 """
 
@@ -17,6 +20,7 @@ import sys
 
 from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.prefix_affinity import PrefixAffinity
+from routing.ttft_affinity import TTFTAffinity
 
 from bench.routing_sim import SimView
 from tests.support.clock import Clock
@@ -53,10 +57,14 @@ def _request(rng: random.Random, convs: dict[int, int]) -> RouteRequest:
     return RouteRequest("chat", "m", rng.choice(("t", "u")), body, boundary_hint=rng.choice((None, None, "1")))
 
 
-def run(seed: int, n: int) -> list[str]:
-    rng = random.Random(seed)
+POLICIES = {"prefix_affinity": PrefixAffinity, "ttft": TTFTAffinity}
+
+
+def run(seed: int, n: int, policy: str = "prefix_affinity") -> list[str]:
+    rng, learnt = random.Random(seed), random.Random(seed + 1) if policy == "ttft" else None
     clock = Clock()
-    policies = [PrefixAffinity(RoutingSettings(share_index=True), clock), PrefixAffinity(RoutingSettings(), clock)]
+    make = POLICIES[policy]
+    policies = [make(RoutingSettings(share_index=True), clock), make(RoutingSettings(), clock)]
     fleets = [[SimView(f"r{i}", weight=1.0 + (i == 2)) for i in range(5)] for _ in policies]
     held: list[tuple[int, RouteRequest, SimView]] = []
     convs: dict[int, int] = {}
@@ -66,12 +74,19 @@ def run(seed: int, n: int) -> list[str]:
         if held and (rng.random() < 0.45 or len(held) > 30):
             p, request, replica = held.pop(rng.randrange(len(held)))
             replica.in_flight -= 1
-            policies[p].observe(request, RouteFeedback(replica.name, None, None, rng.random() > 0.05))
+            ok = rng.random() > 0.05
+            prompt = learnt.randrange(100, 4000) if learnt else None
+            policies[p].observe(request, RouteFeedback(
+                replica.name, prompt, learnt.randrange(prompt) if learnt and prompt else None, ok,
+                ttft_s=learnt.random() * 0.2 if learnt else None))
             continue
         if step % 50 == 0:
             for fleet in fleets:  # a scrape: every replica reports its queue
                 for r in fleet:
                     r.running, r.waiting = float(rng.randrange(6)), float(rng.randrange(3))
+                    if learnt:
+                        r.prefill_rate = learnt.choice((5000.0, 10000.0))
+                        r.kv_tokens = float(learnt.randrange(20_000, 80_000))
                     r.in_flight_at_scrape = r.in_flight
         p = rng.randrange(2)
         request = _request(rng, convs)
@@ -86,4 +101,4 @@ def run(seed: int, n: int) -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(run(int(sys.argv[1]), int(sys.argv[2]))))
+    print("\n".join(run(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4])))
