@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.routing_suite --quick    # 2 seeds, runs capped at 20 s simulated (20-30 s on 2 cores)
     .venv/bin/python -m bench.routing_suite --families heavy4-closed8 --seeds 1 2 3 4 5 6
     .venv/bin/python -m bench.routing_suite --pool-ratio 3     # roomier pools (default 2: see bench.pools)
+    .venv/bin/python -m bench.routing_suite --policies round_robin prefix_affinity ttft --instances 4
 
 For reporting only. ``bench.routing``'s workloads (twins, MT-bench, Mooncake,
 shared prefix, unique) are the ones routing is tuned on; this suite is drawn
@@ -45,8 +46,18 @@ it back. Per family, each cell is min / median / max over seeds of:
   above 1.00 the bounded-loads cap was broken at least once;
 
 and ``p95 best``: on how many seeds the policy's TTFT p95 was the lowest of
-the real policies (the reference excluded), within ``--tie`` (5%) of it.
-Numbers also go to ``bench/out/routing_suite.json``.
+the real policies (the references excluded, the multi-instance rows counted),
+within ``--tie`` (5%) of it. Numbers also go to ``bench/out/routing_suite.json``.
+
+Scale-out (``--instances N``, default 1: off): each policy of
+``bench.routing.MULTI`` named in ``--policies`` (``prefix_affinity``,
+``ttft``, ``sglang_cache_aware``, ``llm-d``) also runs as N independent
+gateway instances sharing nothing, each request going to one at random, as
+``bench.routing`` runs them; its row, ``"{policy} xN"``, sits below the
+single instance's, with one more cell, ``x1 share``: per seed, its hit ratio
+over the single instance's (what splitting the traffic over instances that
+each learn only their own share costs). With ``--kv-events``, kvgate's instances
+read the replicas' KV events (precise mode), and share nothing else.
 """
 
 from __future__ import annotations
@@ -59,13 +70,14 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from .pools import DEFAULT_RATIO, pool_size
-from .routing import POLICIES, calibrate, ideal_hit_ratio
+from .routing import MULTI, POLICIES, calibrate, ideal_hit_ratio
 from .routing_reference import REFERENCE, RUN_REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED
-from .routing_sim import SimSettings, simulate
+from .routing_sim import RunStats, SimSettings, simulate
 from .workloads import Workload
 from .workloads.generated import FAMILIES, Family, build
 
@@ -104,13 +116,15 @@ def requests_for(w: Workload, family: Family, settings: SimSettings, seconds: fl
 
 
 def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
-            kv_events: bool = False, pool_ratio: float = DEFAULT_RATIO) -> dict[str, Any]:
+            kv_events: bool = False, pool_ratio: float = DEFAULT_RATIO, instances: int = 1) -> dict[str, Any]:
     """One (family, seed): build it once, replay it through every policy.
 
     Each replica's KV pool: ``pool_ratio`` x the run's reused working set /
     replicas, floored (``bench.pools.pool_size``), or ``kv_tokens`` if given;
     ``kv_events``: the replicas publish KV events, so kvgate's policy runs in
-    precise mode."""
+    precise mode. ``instances`` > 1: each policy of ``bench.routing.MULTI``
+    also runs as that many independent gateway instances (row ``"{policy} xN"``,
+    with ``of_single``, its hit ratio over the single instance's)."""
     name, seed, seconds, policies = job
     family = next(f for f in FAMILIES if f.name == name)
     settings = SimSettings(replicas=family.replicas, seed=seed, kv_events=kv_events)
@@ -127,20 +141,45 @@ def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
     rows: dict[str, dict[str, float]] = {}
     for policy in policies:
         s = reference if policy == RUN_REFERENCE else simulate(w, POLICIES[policy], settings)
-        rows[policy] = {
-            "hit_ratio": s.hit_ratio, "of_reference": s.hit_ratio / reference.hit_ratio if reference.hit_ratio else 1.0,
-            "of_ideal": s.hit_ratio / ideal if ideal else 1.0, "ttft_p50_s": s.ttft(0.5), "ttft_p95_s": s.ttft(0.95),
-            "max_over_mean_requests": s.max_over_mean_requests, "max_in_flight_over_bound": s.max_bound_ratio,
-            "decisions_over_bound": s.over_bound, "max_over_mean_load": s.max_over_mean_load,
-            "sim_s": s.makespan, "max_in_flight": s.max_in_flight, "wall_s": s.wall_s,
-            "kv_wait_tail_s": s.kv_wait_tail(),
-        }
+        rows[policy] = _row(s, reference.hit_ratio, ideal)
+        if policy in MULTI and instances > 1:
+            # No agreement measurement (as routing.py has): the suite does not report it, and it asks every instance.
+            multi = _row(simulate(w, POLICIES[policy], replace(settings, instances=instances)), reference.hit_ratio,
+                         ideal, instances)
+            # Paired on the seed: the same requests, the same fleet, only the instance count differs.
+            multi["of_single"] = multi["hit_ratio"] / s.hit_ratio if s.hit_ratio else float("nan")
+            rows[multi_label(policy, instances)] = multi
     print(f"  {name} seed {seed}: {n} requests, {reference.makespan:.0f} s simulated, "
           f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return {"family": name, "seed": seed, "requests": n, "description": w.description, "ideal": ideal,
             "reference": reference.hit_ratio, "pool_tokens": pool.kv_tokens, "working_set_tokens": pool.working_set,
             "pool_floor_tokens": pool.floor, "pool_ratio": pool.ratio, "pool_overridden": pool.overridden,
             "rows": rows, "cpu_s": time.process_time() - cpu}
+
+
+def _row(s: RunStats, reference_hit: float, ideal: float, instances: int = 1) -> dict[str, float]:
+    """One policy's figures on one (family, seed), as the table and the JSON carry them."""
+    return {
+        "hit_ratio": s.hit_ratio, "of_reference": s.hit_ratio / reference_hit if reference_hit else 1.0,
+        "of_ideal": s.hit_ratio / ideal if ideal else 1.0, "ttft_p50_s": s.ttft(0.5), "ttft_p95_s": s.ttft(0.95),
+        "max_over_mean_requests": s.max_over_mean_requests, "max_in_flight_over_bound": s.max_bound_ratio,
+        "decisions_over_bound": s.over_bound, "max_over_mean_load": s.max_over_mean_load,
+        "sim_s": s.makespan, "max_in_flight": s.max_in_flight, "wall_s": s.wall_s,
+        "kv_wait_tail_s": s.kv_wait_tail(), "instances": instances,
+    }
+
+
+def multi_label(policy: str, instances: int) -> str:
+    """The row of ``policy`` run as ``instances`` gateway instances sharing nothing (bench.routing's name)."""
+    return f"{policy} x{instances}"
+
+
+def table_rows(policies: Sequence[str], instances: int) -> list[str]:
+    """The table's rows in order: each multi-instance row right below its single instance's, to be read beside it."""
+    rows: list[str] = []
+    for p in policies:
+        rows += [p, multi_label(p, instances)] if p in MULTI and instances > 1 else [p]
+    return rows
 
 
 def spread(xs: Sequence[float]) -> tuple[float, float, float]:
@@ -185,13 +224,16 @@ def format_family(family: Family, runs: list[dict[str, Any]], policies: Sequence
     # Waiting for KV blocks happens only where pools are small for the prompts (--kv-tokens):
     # the column is shown when some run of the family did.
     kv_wait = any(r["rows"][p].get("kv_wait_tail_s", 0.0) > 0 for r in runs for p in policies)
-    header = ["policy", "hit", "%ref", "TTFT p50", "TTFT p95", *(["KV wait"] if kv_wait else []), "req m/m",
-              "if/bound", "p95 best"]
+    # The scale-out figure belongs to the multi-instance rows only (--instances): no column without them.
+    scale_out = any("of_single" in r["rows"][p] for r in runs for p in policies)
+    header = ["policy", "hit", "%ref", *(["x1 share"] if scale_out else []), "TTFT p50", "TTFT p95",
+              *(["KV wait"] if kv_wait else []), "req m/m", "if/bound", "p95 best"]
     table = [header]
     for p in policies:
         rows = [r["rows"][p] for r in runs]
         table.append([
             p, _cell([x["hit_ratio"] for x in rows], _f3), _cell([x["of_reference"] for x in rows], _f2),
+            *([_cell([x.get("of_single", float("nan")) for x in rows], _f2)] if scale_out else []),
             _cell([x["ttft_p50_s"] for x in rows], _ms), _cell([x["ttft_p95_s"] for x in rows], _ms),
             *([_cell([x["kv_wait_tail_s"] for x in rows], _ms)] if kv_wait else []),
             _cell([x["max_over_mean_requests"] for x in rows], lambda v: f"{v:.2f}"),
@@ -232,8 +274,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="each replica's KV pool in tokens (overrides --pool-ratio)")
     p.add_argument("--kv-events", action="store_true",
                    help="replicas publish KV events: prefix_affinity runs in precise mode")
+    p.add_argument("--instances", type=int, default=1,
+                   help=f"also run {', '.join(MULTI)} as this many gateway instances sharing nothing "
+                        "(rows 'policy xN'; default 1: no such rows)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.instances < 1:
+        p.error("--instances must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(f.name, seed, min(f.seconds, QUICK_SECONDS) if args.quick else f.seconds, tuple(policies))
             for f in sorted(families, key=lambda f: -f.seconds) for seed in seeds]
     started = time.perf_counter()
-    one = functools.partial(run_one, kv_tokens=args.kv_tokens, kv_events=args.kv_events, pool_ratio=args.pool_ratio)
+    one = functools.partial(run_one, kv_tokens=args.kv_tokens, kv_events=args.kv_events, pool_ratio=args.pool_ratio,
+                            instances=args.instances)
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             results = list(pool.map(one, jobs))
@@ -262,8 +311,12 @@ def main(argv: list[str] | None = None) -> int:
               "(bench.pools; per family below)")
     if args.kv_events:
         print("replicas publish KV events: prefix_affinity runs in precise mode (--kv-events)")
+    rows = table_rows(policies, args.instances)
+    if len(rows) > len(policies):
+        print(f"policy x{args.instances} = {args.instances} gateway instances sharing nothing, each request to one "
+              "at random; x1 share = its hit over the single instance's, per seed (--instances)")
     for f in families:
-        print(format_family(f, [r for r in results if r["family"] == f.name], policies, args.tie))
+        print(format_family(f, [r for r in results if r["family"] == f.name], rows, args.tie))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "routing_suite.json").write_text(json.dumps(results, indent=1))
     # CPU time too: on a shared machine the wall clock says more about the neighbours than about the suite.

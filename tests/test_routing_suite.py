@@ -196,6 +196,32 @@ def test_quick_suite_runs(tmp_path: Path, capsys) -> None:
         assert d["working_set_tokens"] == reused_working_set(w)
 
 
+def test_the_suite_runs_a_policy_as_independent_instances_beside_its_single_instance(tmp_path: Path, capsys) -> None:
+    code = routing_suite.main(["--quick", "--families", "heavy4-closed8", "--seeds", "1", "--jobs", "1",
+                               "--policies", "round_robin", "prefix_affinity", "--instances", "2",
+                               "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    single = next(i for i, line in enumerate(lines) if line.startswith("prefix_affinity "))
+    assert lines[single + 1].startswith("prefix_affinity x2 ")  # read beside the single instance
+    assert "x1 share" in out and "round_robin x2" not in out  # round robin has no multi-instance row
+    rows = json.loads((tmp_path / "routing_suite.json").read_text())[0]["rows"]
+    assert set(rows) == {"round_robin", "prefix_affinity", "prefix_affinity x2", RUN_REFERENCE}
+    multi = rows["prefix_affinity x2"]
+    assert multi["instances"] == 2 and "of_single" not in rows["prefix_affinity"]
+    assert multi["of_single"] == pytest.approx(multi["hit_ratio"] / rows["prefix_affinity"]["hit_ratio"])
+    # A multi-instance row is a real policy: it can be the p95 best.
+    runs = [{"rows": rows}]
+    assert sum(routing_suite.best_p95(runs, p, 0.0) for p in rows if p != RUN_REFERENCE) >= 1
+
+
+def test_the_table_rows_put_each_multi_instance_row_below_its_single_instance() -> None:
+    assert routing_suite.table_rows(["round_robin", "ttft", RUN_REFERENCE], 1) == ["round_robin", "ttft", RUN_REFERENCE]
+    assert routing_suite.table_rows(["round_robin", "ttft", RUN_REFERENCE], 4) == [
+        "round_robin", "ttft", "ttft x4", RUN_REFERENCE]
+
+
 def test_the_ttft_oracle_knows_each_request_s_time_to_first_token_and_keeps_the_bound_only_when_asked() -> None:
     # One client: every request finds nothing queued, so its time to first token
     # is exactly the oracle's figure for where it sent it.
