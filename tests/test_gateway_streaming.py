@@ -94,14 +94,51 @@ def test_replica_dying_mid_stream_keeps_partial_text_then_error() -> None:
         stack.close()
 
 
+# A retry budget that allows no retry at all: a replica gone takes its load with it, and the one
+# retry that moves a request off it needs none (gateway.proxy.upstream.take_retry).
+NO_BUDGET = {"retry_budget_ratio": 0.0, "retry_budget_min": 0}
+
+
 def test_refused_connection_is_retried_elsewhere() -> None:
-    stack = start_stack(2)
+    stack = start_stack(2, routing={"policy": "least_load"}, pool=NO_BUDGET)
     try:
         stack.sims["r1"].kill()  # least-load prefers r1 (ties break by name); it is now gone
         client = openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0)
         raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=3)
         assert raw.headers["x-kvgate-replica"] == "r2"
         assert raw.parse().choices[0].message.content
+        assert stack.runtime.pool.replicas["r1"].failures == 1  # r1 was tried first, and refused
+    finally:
+        stack.close()
+
+
+def test_a_replica_killed_before_its_first_bytes_needs_no_retry_budget() -> None:
+    # The chaos run's replica_killed_midstream, before the first byte: r1 dies with requests in
+    # flight that it holds before their first token (a unary answer sends no byte before its end).
+    # Round robin puts half of them there; it dies once every request has reached a replica.
+    stack = start_stack(2, routing={"policy": "round_robin"}, pool=NO_BUDGET)
+    try:
+        stack.faults("r1", stall_before_first_token_s=120.0)
+        n = 6
+        answers: list[httpx.Response] = []
+
+        def ask(i: int) -> None:
+            answers.append(httpx.post(stack.base_url + "/chat/completions", timeout=120, json={
+                "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": f"held {i}"}]}))
+        senders = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+        for t in senders:
+            t.start()
+        assert stack.wait_for(lambda: sum(stack.sim_stats(r)["engine_requests"] for r in stack.sims) >= n,
+                              timeout=60)
+        on_r1 = stack.sim_stats("r1")["engine_requests"]
+        stack.sims["r1"].kill()
+        for t in senders:
+            t.join(120)
+        assert [r.status_code for r in answers] == [200] * n
+        assert all(r.headers["x-kvgate-replica"] == "r2" for r in answers)
+        assert all(r.json()["choices"][0]["message"]["content"] for r in answers)
+        assert stack.sim_stats("r2")["engine_requests"] == n  # r1's too, each once more
+        assert on_r1 >= 1 and stack.runtime.pool.budget.active_retries == 0
     finally:
         stack.close()
 

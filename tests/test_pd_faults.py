@@ -6,6 +6,7 @@ leg, never a wrong answer, and no client sees an error a healthy replica could h
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -141,6 +142,39 @@ def test_refused_transfers_need_no_retry_budget() -> None:
             assert fallbacks["decode", "local"] >= 1, "no request was prefilled by p1: the fault was never met"
             assert pd(stack, DECODES, "failed_transfers") == fallbacks["decode", "local"]
             assert fallbacks["decode", "retry"] == 0 and stack.runtime.pool.budget.active_retries == 0
+        finally:
+            stack.close()
+
+
+def test_a_decode_replica_killed_before_its_first_bytes_needs_no_retry_budget() -> None:
+    # The chaos run's decode_killed (bench.chaos_pd): the busiest decode replica dies with many
+    # requests in flight before their first byte, far past the fleet's retry budget. Here the budget
+    # allows no retry at all. d2 is drained, so every decode leg goes to d1, which holds each before its
+    # first token (a unary answer sends no byte before its end); once 6 are held, d2 is back and d1
+    # dies. Its requests' load went with it, and a healthy d2 can serve them: each gets its answer.
+    held = 6
+    with PDSim("ref5") as ref:
+        stack = PDStack(ROLES, routing={"disaggregation": "always"},
+                        pool={"eject_consecutive_failures": 100, "retry_budget_ratio": 0.0, "retry_budget_min": 0})
+        try:
+            stack.faults("d1", stall_before_first_token_s=120.0)
+            stack.admin_post("/admin/replicas/d2/drain", {}).raise_for_status()
+            questions = [chat(f"d1 dies holding {i}") for i in range(held)]
+            with ThreadPoolExecutor(held) as burst:
+                answers = [burst.submit(ask, stack, m, False) for m in questions]
+                deadline = time.monotonic() + 60
+                while stack.sims["d1"].stats()["engine_requests"] < held:
+                    assert time.monotonic() < deadline, "d1 never held every request"
+                    time.sleep(0.05)
+                stack.admin_post("/admin/replicas/d2/undrain", {}).raise_for_status()
+                stack.sims["d1"].server.kill()
+                assert [a.result(timeout=120) for a in answers] == [expected(ref, m) for m in questions]
+            disagg = stack.runtime.disagg
+            # Each went to d2, prefilled again: d1 may have pulled the params' blocks (SentAndDropped).
+            assert disagg.fallbacks["decode", "retry"] == held
+            assert pd(stack, PREFILLS, "remote_prefills") == 2 * held
+            assert pd(stack, ("d2",), "transfers") == held
+            assert stack.runtime.pool.budget.active_retries == 0
         finally:
             stack.close()
 

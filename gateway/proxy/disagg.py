@@ -28,8 +28,9 @@ its first byte with a prefill replica's params (5xx: vLLM's answer to a failed
 pull) prefills locally, on the same replica and outside the retry budget
 (``Disagg._recompute`` says why); one that fails otherwise, or fails that too, is
 replaced by another decode replica, prefilled again on another prefill replica,
-within the pool's retry budget. Once the client has seen a byte, nothing is
-retried (the relay's rules).
+within the pool's retry budget, unless it is gone (it dropped the connection and
+refused a new one: ``upstream.take_retry``, once per request). Once the client has
+seen a byte, nothing is retried (the relay's rules).
 When no replica has a P/D role none of this runs: the endpoint's only cost is a
 scan of the replicas' roles (``ReplicaPool.disaggregated``).
 
@@ -55,7 +56,7 @@ from routing.disagg import Decision, Terms, decide
 from gateway.errors import GatewayError, NoReplica, UpstreamError, UpstreamTimeout
 from .relay import read_whole
 from .sse import Usage
-from .upstream import Attempt, SentAndDropped, UpstreamCall, open_upstream, read_error_body
+from .upstream import Attempt, SentAndDropped, UpstreamCall, open_upstream, read_error_body, take_retry
 
 if TYPE_CHECKING:
     from .context import RequestContext
@@ -262,7 +263,7 @@ class Disagg:
                 # another prefill replica too: a 500 from vLLM's decode is also what a failed pull
                 # gives (kv_load_failure_policy "fail"), and the transfer may be what failed.
                 failed, err = outcome
-                budget = self._retry_decode(ctx, failed, err, record, tried, prefilled)
+                budget = self._retry_decode(ctx, call, failed, err, record, tried, prefilled)
         finally:
             for _ in range(budget):
                 rt.pool.budget.release()
@@ -378,12 +379,14 @@ class Disagg:
         else:
             self.rt.pool.record_failure(known, "pull")
 
-    def _retry_decode(self, ctx: "RequestContext", replica: str, err: GatewayError, record: "LegRecord",
-                      tried: set[str], prefilled: set[str]) -> int:
-        """Whether the failed decode leg may go to another decode replica: the pool's retry budget
-        (bounded fleet-wide, as Envoy's) is taken, or ``err`` raised. Returns the budget held."""
+    def _retry_decode(self, ctx: "RequestContext", call: UpstreamCall, replica: str, err: GatewayError,
+                      record: "LegRecord", tried: set[str], prefilled: set[str]) -> int:
+        """Whether the failed decode leg may go to another decode replica, as any retry may
+        (``upstream.take_retry``: within the pool's retry budget, unless the replica is gone), or
+        ``err`` raised. Returns the budget held."""
         rt = self.rt
-        if not rt.pool.budget.try_acquire(rt.pool.active_requests):
+        held = take_retry(rt.pool, call, isinstance(err, SentAndDropped) and err.gone)
+        if held is None:
             raise err
         self._fallback("decode", "retry")
         tried.add(replica)
@@ -391,7 +394,7 @@ class Disagg:
             prefilled.add(record.prefill)
         log.warning("decode leg failed before its first byte; retrying elsewhere",
                     extra={"request_id": ctx.request_id, "replica": replica, "error": str(err)})
-        return 1
+        return held
 
     async def _prefill(self, ctx: "RequestContext", route: RouteRequest, call: UpstreamCall, leg: LegShape,
                        body: Mapping[str, Any], avoid: set[str]) -> dict[str, Any] | None:
@@ -400,7 +403,7 @@ class Disagg:
         timeouts = rt.settings.timeouts
         pcall = UpstreamCall(path=call.path, payload=orjson.dumps(leg.body(body)), headers=call.headers,
                              read_timeout_s=timeouts.first_byte_s, connect_timeout_s=call.connect_timeout_s,
-                             max_attempts=call.max_attempts, priority=call.priority)
+                             max_attempts=call.max_attempts, priority=call.priority, moved=call.moved)
         tried = set(avoid)
         for attempt_no in range(2):
             proute = route.leg()
@@ -536,4 +539,4 @@ def _pulled(terms: Terms, params: Mapping[str, Any]) -> float:
 def _replace_payload(call: UpstreamCall, payload: bytes) -> UpstreamCall:
     """The decode leg's call: the params it carries are sent to one replica at most (``once``)."""
     return UpstreamCall(call.path, payload, call.headers, call.read_timeout_s, call.connect_timeout_s,
-                        call.max_attempts, call.priority, once=True)
+                        call.max_attempts, call.priority, once=True, moved=call.moved)

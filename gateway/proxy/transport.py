@@ -9,7 +9,9 @@ does only what the replica hop needs: keep-alive connections per origin, the
 request written in one ``write``, the response parsed by httptools (C), the
 body streamed chunk by chunk with back-pressure, and a connection that is not
 cleanly finished closed rather than reused (so vLLM sees a client that went
-away and aborts the request). HTTPS origins fall back to httpx's own transport.
+away and aborts the request), and a connection lost before any byte of an
+answer followed by a new one, whose fate says whether the replica is still
+there (``ReplicaGone``). HTTPS origins fall back to httpx's own transport.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ import httpx
 UPSTREAM_HEADERS = {"accept-encoding": "identity", "user-agent": "kvgate"}
 _HIGH_WATER = 1 << 20  # pause reading from the replica above this much unconsumed body
 _LOW_WATER = 1 << 16
+
+
+class ReplicaGone(httpx.ReadError):
+    """A replica lost a connection with a request on it, before any byte of its answer, and a new
+    connection to it failed at once: nothing listens there any more (it crashed, was killed or
+    stopped). What it was doing for the request went with it (``upstream.take_retry`` says why that
+    matters). A ``ReadError``: the request was written, and may have arrived before it went."""
 
 
 class _Conn(asyncio.Protocol):
@@ -218,17 +227,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
         payload = _serialize(request, await request.aread())
         conn = self._take_idle(key)
         reused = conn is not None
-        dropped: httpx.HTTPError | None = None  # a kept-alive connection lost after the request went out
         for _ in range(2):
             if conn is None:
-                try:
-                    conn = await self._connect(host, port, timeouts.get("connect"))
-                except httpx.HTTPError:
-                    if dropped is not None:
-                        # The replica is gone, and the request was written to it before it went:
-                        # say so (it may have arrived), not that the replica refused it.
-                        raise dropped from None
-                    raise
+                conn = await self._connect(host, port, timeouts.get("connect"))
             conn.reset()
             assert conn.transport is not None and conn.head_ready is not None
             conn.transport.write(payload)
@@ -240,10 +241,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise httpx.ReadTimeout("replica sent no response headers in time") from None
             except httpx.HTTPError as e:
                 conn.abort()
-                # A kept-alive connection the replica closed while idle: retry once on a new one.
-                if reused and not conn.received_any:
-                    conn, reused, dropped = None, False, e
+                if conn.received_any:
+                    raise
+                conn = await self._after_drop(key, e, timeouts.get("connect"))
+                if reused:
+                    # A kept-alive connection the replica closed while idle: sent again, once, on the new one.
+                    reused = False
                     continue
+                self.put_back(key, conn)
                 raise
             except BaseException:
                 conn.abort()
@@ -252,6 +257,19 @@ class LeanTransport(httpx.AsyncBaseTransport):
                                   stream=_Body(self, key, conn, timeouts.get("read")),
                                   extensions={"http_version": b"HTTP/1.1"}, request=request)
         raise httpx.RemoteProtocolError("replica closed the connection")  # pragma: no cover
+
+    async def _after_drop(self, key: tuple[str, int], dropped: httpx.HTTPError, timeout: float | None) -> _Conn:
+        """A new connection to a replica that dropped one with a request on it, before any byte of its
+        answer. Refused (or impossible: ``ConnectError``): the replica is gone, and ``ReplicaGone`` says
+        so. A timeout proves nothing (an overloaded replica is slow to accept too): the drop is raised.
+        Either way the drop, not the connect's error: the request was written and may have arrived, and
+        a caller that must not send it twice (``upstream.UpstreamCall.once``) must know it."""
+        try:
+            return await self._connect(*key, timeout)
+        except httpx.ConnectError:
+            raise ReplicaGone(f"{dropped}; a new connection failed: the replica is gone") from None
+        except httpx.HTTPError:
+            raise dropped from None
 
     async def aclose(self) -> None:
         for conns in self.idle.values():

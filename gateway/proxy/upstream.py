@@ -1,11 +1,12 @@
 """Open a response from the best replica, retrying only when the first did no work.
 
-Walks the routing policy's preference order. A retry happens only when the
-replica provably did no work for this request — the connection was refused,
-or it answered 429 / 503 before any byte — and only within the pool's retry
-budget. Connect errors and 5xx count towards ejection; 429 never does (it is
-back-pressure). The caller owns the returned response and lease and must
-close/release both (``Attempt.close``).
+Walks the routing policy's preference order. A retry happens only before any
+byte reached the client, when the replica did no work for this request (the
+connection was refused, or it answered 429 / 503) or lost it (it dropped the
+connection), and within the pool's retry budget, except the one retry of a
+request whose replica is gone (``take_retry`` says why). Connect errors and 5xx
+count towards ejection; 429 never does (it is back-pressure). The caller owns
+the returned response and lease and must close/release both (``Attempt.close``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from routing import RouteRequest, RoutingPolicy
 from gateway.errors import BadRequest, GatewayError, NoReplica, NotFound, RateLimited, UpstreamError, UpstreamTimeout
 from .admission import Ticket
 from .pool import Lease, Replica, ReplicaPool
+from .transport import ReplicaGone
 
 log = logging.getLogger("kvgate.upstream")
 
@@ -32,15 +34,20 @@ _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtoco
                    httpx.WriteError, httpx.PoolTimeout)
 # Of those, the ones where the request never reached the replica (nothing was sent).
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# Of those, the ones that show the replica gone: no connection to it could be made, for this request
+# or just after its connection dropped (kvgate's transport tries one then). Not a timeout: an
+# overloaded replica is slow to accept too.
+_GONE = (httpx.ConnectError, ReplicaGone)
 
 
 class SentAndDropped(UpstreamError):
     """A replica dropped the connection after the request was sent, for a call that must not be
     sent twice as it is (``UpstreamCall.once``): the caller decides what to send next."""
 
-    def __init__(self, replica: str) -> None:
+    def __init__(self, replica: str, gone: bool) -> None:
         super().__init__(f"replica {replica} dropped the connection")
         self.replica = replica
+        self.gone = gone  # and no new connection to it could be made (``_GONE``)
 
 
 @dataclass
@@ -73,6 +80,14 @@ class Attempt:
 
 
 @dataclass(slots=True)
+class Moved:
+    """Whether a request has had its one retry off a gone replica (``take_retry``). One per client
+    request, shared by the calls of its legs (gateway.proxy.disagg)."""
+
+    done: bool = False
+
+
+@dataclass(slots=True)
 class UpstreamCall:
     path: str
     payload: bytes  # a JSON object when ``priority`` is set
@@ -86,6 +101,7 @@ class UpstreamCall:
     # Sent to at most one replica once it may have arrived (a decode leg's kv_transfer_params:
     # the replica that took them may have pulled the blocks, which the prefill replica then frees).
     once: bool = False
+    moved: Moved = field(default_factory=Moved)
 
     def payload_for(self, replica: Replica) -> bytes:
         if not self.priority or replica.scheduling_policy != "priority":
@@ -94,6 +110,34 @@ class UpstreamCall:
         # field goes in before the closing brace, without parsing the body again.
         sep = b"," if len(self.payload) > 2 else b""  # b"{}" has no field to follow
         return b"%s%s\"priority\":%d}" % (self.payload[:-1], sep, self.priority)
+
+
+def take_retry(pool: ReplicaPool, call: UpstreamCall, gone: bool) -> int | None:
+    """Whether ``call``'s request, failed before any byte reached its client, may go to another replica:
+    the retries of the pool's budget it holds for that (0 or 1), or None (no: the client gets the error).
+
+    The budget (Envoy's: retries in flight at most 20% of the requests in flight, or 3) is there so that
+    retries do not add load an overloaded fleet cannot carry: a replica that answered 429, 503, 5xx or
+    nothing in time is alive, may be overloaded, and may have done the work; a retry puts a second
+    copy of the request on the fleet. A replica that is gone (``gone``: no connection to it could be
+    made, for this request or just after its connection dropped) carries nothing any more: whatever
+    it held for the request died with it, and sending the request elsewhere moves that load, it does
+    not add to it. When a replica with many requests in flight dies, all of them fail at once, past
+    the budget's share, and the budget refused those past it though the healthy replicas could serve
+    every one (the P/D chaos run's ``decode_killed``: d1 killed with 17 requests in flight, 9 of them
+    before their first byte; the budget took 5 retries and refused 4, each a 502). So that retry
+    takes no budget.
+
+    Why a dropped connection alone is not enough: an overloaded replica, or a proxy in front of it,
+    may reset connections and still hold the work. Only a failed connect right after shows it gone.
+    What bounds the exemption: once per request (``Moved``, across its legs), so a request meeting
+    a second gone replica takes the budget like any other retry; and it only ever moves requests
+    that were on the dead replica, at most once each. Before any byte reached the client only: every
+    caller retries before the relay starts."""
+    if gone and not call.moved.done:
+        call.moved.done = True
+        return 0
+    return 1 if pool.budget.try_acquire(pool.active_requests) else None
 
 
 async def open_upstream(
@@ -137,13 +181,16 @@ async def _attempts(
     retry_after: float | None = None
     last_error: GatewayError | None = None
     budget_held = 0
+    gone = False  # whether the replica last tried is gone (``_GONE``)
     try:
         for attempt_no, view in enumerate(order[: call.max_attempts]):
             replica = cast(Replica, view)  # the pool hands policies its own Replica objects
             if attempt_no > 0:
-                if not pool.budget.try_acquire(pool.active_requests):
+                held = take_retry(pool, call, gone)
+                if held is None:
                     break
-                budget_held += 1
+                budget_held += held
+            gone = False
             lease = pool.acquire(replica)
             headers = call.headers
             if replica_keys and replica.name in replica_keys:
@@ -164,8 +211,9 @@ async def _attempts(
             except _CONNECT_ERRORS as e:
                 lease.release()
                 pool.record_failure(replica, "connect")
+                gone = isinstance(e, _GONE)
                 if call.once and not isinstance(e, _NOT_SENT):
-                    raise SentAndDropped(replica.name) from None
+                    raise SentAndDropped(replica.name, gone) from None
                 last_error = UpstreamError(f"replica {replica.name} refused or dropped the connection")
                 continue
             except BaseException:

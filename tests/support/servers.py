@@ -107,6 +107,11 @@ class ServerThread:
         loop = self.loop
         if loop is not None and loop.is_running():
             def _drop() -> None:
+                # The listener first, in the same step as the connections: a crashed process's kernel
+                # closes both at once, so a client that reconnects the moment its connection drops is
+                # refused (uvicorn would close the listener only at its next tick, up to 0.1 s later).
+                for listener in getattr(self.server, "servers", []):
+                    listener.close()
                 for conn in list(getattr(self.server.server_state, "connections", [])):
                     transport = getattr(conn, "transport", None)
                     if transport is not None:
