@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.routing            # full run (a few minutes on 2 cores)
     .venv/bin/python -m bench.routing --quick    # smoke test (seconds)
     .venv/bin/python -m bench.routing --clients 8 --burst 1 2   # closed loop: 8 clients, in bursts
+    .venv/bin/python -m bench.routing --seats    # kvgate told each replica's max_num_seqs (max_in_flight)
 
 These are the workloads kvgate is tuned on. ``bench.routing_suite`` runs a
 generated suite (``bench/workloads/generated.py``) that nothing is tuned on,
@@ -211,7 +212,8 @@ def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
     loop = ClosedLoop.of(args.clients, args.burst)
     clients = (loop or w.closed_loop).clients if (loop or w.closed_loop) else 0
     pool = pool_size(w, args.replicas, args.pool_ratio, clients=clients, kv_tokens=args.kv_tokens)
-    base = SimSettings(replicas=args.replicas, kv_tokens=pool.kv_tokens, seed=args.seed, closed_loop=loop)
+    base = SimSettings(replicas=args.replicas, kv_tokens=pool.kv_tokens, seed=args.seed, closed_loop=loop,
+                       seats_known=args.seats)
     if args.large_kv:
         base = replace(base, kv_tokens=1 << 40)
     ideal = ideal_hit_ratio(w)
@@ -282,6 +284,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="KV pool per replica in tokens (overrides --pool-ratio)")
     p.add_argument("--large-kv", action="store_true", help="KV pools large enough never to evict")
+    p.add_argument("--seats", action="store_true",
+                   help="kvgate is told each replica's max_num_seqs (its max_in_flight): ttft prices a seat's wait")
     p.add_argument("--mooncake-minutes", type=float, default=10.0, help="trace prefix to replay")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--twin-requests", type=int, default=3600,
@@ -316,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         (w,) = build_workloads(argparse.Namespace(**{**vars(args), "workloads": [name]}))
         reports.append(run_workload(w, args))
         del w
+    if args.seats:
+        print("kvgate is told each replica's max_num_seqs as its max_in_flight (--seats)")
     print(format_table(reports))
     print(f"\nhashing a 100K-character prompt (render + chained xxh3 blocks): {hash_cost_ms():.2f} ms (best of 20)")
     args.out.mkdir(parents=True, exist_ok=True)

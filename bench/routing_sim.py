@@ -104,6 +104,9 @@ class SimSettings:
     # Replica i prefills at speeds[i] x the timing model's rate (0.5: every prefill takes
     # twice as long; decode unchanged). None: all at 1.0.
     speeds: tuple[float, ...] | None = None
+    # kvgate is told each replica's seats (its max_num_seqs, as ``max_in_flight``), as the docs ask
+    # an operator to; False (kvgate's default configuration): unknown.
+    seats_known: bool = False
 
 
 def token_ids(req: Request, block_size: int) -> list[int]:
@@ -157,6 +160,7 @@ class SimView:
     in_flight_at_scrape: int = 0
     prefill_rate: float | None = None
     kv_tokens: float | None = None
+    seats: float | None = None  # the replica's max_num_seqs, when its operator configured it
 
 
 @dataclass(eq=False, slots=True)
@@ -350,7 +354,9 @@ class _Fleet:
             raise ValueError(f"speeds: {len(speeds)} figures for {settings.replicas} replicas")
         self.engines = [SimEngine(f"r{i}", settings, speeds[i]) for i in range(settings.replicas)]
         self.by_name = {e.name: e for e in self.engines}
-        self.views = [[SimView(e.name) for e in self.engines] for _ in self.policies]
+        # The operator told kvgate each replica's --max-num-seqs (``max_in_flight``), as the docs ask.
+        seats = float(settings.timing.max_num_seqs) if settings.seats_known else None
+        self.views = [[SimView(e.name, seats=seats) for e in self.engines] for _ in self.policies]
         self.view_of = [{v.name: v for v in views} for views in self.views]
         self.rng = random.Random(settings.seed)
         self.events: list[tuple[float, int, int, object, int]] = []

@@ -5,6 +5,7 @@
     .venv/bin/python -m bench.routing_suite --families heavy4-closed8 --seeds 1 2 3 4 5 6
     .venv/bin/python -m bench.routing_suite --pool-ratio 3     # roomier pools (default 2: see bench.pools)
     .venv/bin/python -m bench.routing_suite --policies round_robin prefix_affinity ttft --instances 4
+    .venv/bin/python -m bench.routing_suite --seats   # kvgate told each replica's max_num_seqs (max_in_flight)
 
 For reporting only. ``bench.routing``'s workloads (twins, MT-bench, Mooncake,
 shared prefix, unique) are the ones routing is tuned on; this suite is drawn
@@ -116,7 +117,8 @@ def requests_for(w: Workload, family: Family, settings: SimSettings, seconds: fl
 
 
 def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
-            kv_events: bool = False, pool_ratio: float = DEFAULT_RATIO, instances: int = 1) -> dict[str, Any]:
+            kv_events: bool = False, pool_ratio: float = DEFAULT_RATIO, instances: int = 1,
+            seats: bool = False) -> dict[str, Any]:
     """One (family, seed): build it once, replay it through every policy.
 
     Each replica's KV pool: ``pool_ratio`` x the run's reused working set /
@@ -127,7 +129,7 @@ def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
     with ``of_single``, its hit ratio over the single instance's)."""
     name, seed, seconds, policies = job
     family = next(f for f in FAMILIES if f.name == name)
-    settings = SimSettings(replicas=family.replicas, seed=seed, kv_events=kv_events)
+    settings = SimSettings(replicas=family.replicas, seed=seed, kv_events=kv_events, seats_known=seats)
     started, cpu = time.perf_counter(), time.process_time()
     n = requests_for(build(family, seed, _PROBE), family, settings, seconds)
     w = build(family, seed, n)
@@ -272,6 +274,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the fleet's KV pools hold this many times the reused working set (meant for 1.5-3)")
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="each replica's KV pool in tokens (overrides --pool-ratio)")
+    p.add_argument("--seats", action="store_true",
+                   help="kvgate is told each replica's max_num_seqs (its max_in_flight): ttft prices a seat's wait")
     p.add_argument("--kv-events", action="store_true",
                    help="replicas publish KV events: prefix_affinity runs in precise mode")
     p.add_argument("--instances", type=int, default=1,
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             for f in sorted(families, key=lambda f: -f.seconds) for seed in seeds]
     started = time.perf_counter()
     one = functools.partial(run_one, kv_tokens=args.kv_tokens, kv_events=args.kv_events, pool_ratio=args.pool_ratio,
-                            instances=args.instances)
+                            instances=args.instances, seats=args.seats)
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             results = list(pool.map(one, jobs))
@@ -311,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
               "(bench.pools; per family below)")
     if args.kv_events:
         print("replicas publish KV events: prefix_affinity runs in precise mode (--kv-events)")
+    if args.seats:
+        print("kvgate is told each replica's max_num_seqs as its max_in_flight (--seats)")
     rows = table_rows(policies, args.instances)
     if len(rows) > len(policies):
         print(f"policy x{args.instances} = {args.instances} gateway instances sharing nothing, each request to one "

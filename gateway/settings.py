@@ -77,6 +77,8 @@ class ReplicaSettings(_Section):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # Requests in flight and waiting at the replica, fleet-wide, past which kvgate queues them
     # itself (gateway.proxy.admission). Unset: learned from what the replica reports on /metrics.
+    # Give vLLM's --max-num-seqs: routing (`ttft`) also reads it as the replica's seats, and
+    # prices the wait for one past them (vLLM does not report the number).
     max_in_flight: int | None = Field(None, ge=1)
     # Its part in a disaggregated (P/D) fleet, vLLM started with --kv-transfer-config
     # '{"kv_connector":"NixlConnector","kv_role":"kv_both"}': "prefill" replicas only prefill

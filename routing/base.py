@@ -35,6 +35,11 @@ class ReplicaView(Protocol):
     prefill_rate: float | None
     kv_tokens: float | None
 
+    # The requests it runs at once (vLLM's --max-num-seqs), where the operator said
+    # (``max_in_flight``): vLLM does not report it. None: unknown.
+    @property
+    def seats(self) -> float | None: ...
+
 
 def reported(replica: ReplicaView) -> float | None:
     """The replica's own queue (running + waiting) at its last scrape; None before any."""

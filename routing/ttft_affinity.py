@@ -32,7 +32,12 @@ blocks):
   the requests ``r`` reported waiting (every client's), each weighing the mean
   uncached prompt the replies report (before any reply, what this request
   would compute there). Each figure counts this instance's own requests, so
-  they are not added.
+  they are not added. Where ``r``'s seats are known (its ``max_in_flight``,
+  vLLM's --max-num-seqs), at least the wait for a seat: past them a request
+  waits for one to end, however short its prefill (``seat_wait``). Not learned
+  from the queues: a queue beside a full pool, or beside a prefill step in
+  progress, shows fewer running than the seats, and a wait priced from that
+  made homes look busy and collapsed shared prefixes (the benchmark page).
 * ``astray(r)``: only for a key no replica is known to hold, placed away from
   its home: the others' share of the traffic times the prompt's prefill. Other
   instances will send its next request home, which then prefills it all again.
@@ -126,6 +131,8 @@ _PENDING = "kvgate.pending"
 # Its mark in the chosen replica's prefill backlog, and what was predicted there.
 _MARK = "kvgate.backlog_mark"
 _PREDICTED = "kvgate.predicted"
+# When its first token came (``started``): the rest of its time is a seat's.
+_FIRST = "kvgate.first_token_at"
 # The learned means (uncached prompt per request, the prediction's error) are over this
 # many recent requests: a mean of 256 samples settles within about 1/16 of its spread,
 # and a change of load replaces it within a few seconds of traffic.
@@ -140,7 +147,8 @@ class Terms(NamedTuple):
     held: float  # prompt tokens believed held
     source: str  # where ``held`` came from: events, index, key, home, none
     uncached: float  # prompt tokens it would compute
-    ahead: float  # prefill queued ahead
+    ahead: float  # the wait ahead: prefill queued, or a seat (the larger)
+    seat: float  # the wait for a seat (0 where its seats are not known or one is free)
     astray: float  # a known-nowhere key placed away from home: its next request's refill
     excess: float  # tokens beyond the fewest any replica would compute, priced by the busy share
     refill: float  # the prefill its evictions cost the fleet later (pools under pressure)
@@ -203,6 +211,10 @@ class TTFTAffinity:
         self.work = _Mean()
         self._others_share = 0.0
         self.error = _Mean()
+        # How long a request holds its seat once it has started: from its first token to its
+        # end (seconds), learned from the streams this instance relays (``seat_wait``).
+        self.hold = _Mean()
+        self._clock = clock
         # The replicas' rates say how fast each is against the others; the times to first
         # token they answer say how fast prefill is felt: a request prefilled in a batch is
         # charged the batch's time, so the rate the histograms give is below the drain.
@@ -243,6 +255,9 @@ class TTFTAffinity:
         if mark is not None:
             self.backlog.done(mark[0], mark[1], mark[2])
         predicted = request.scratch.pop(_PREDICTED, None)
+        first = request.scratch.pop(_FIRST, None)
+        if feedback.ok and first is not None:
+            self.hold.add(self._clock() - first)
         if feedback.ok and feedback.prompt_tokens:
             cached = feedback.cached_tokens
             if cached is not None:
@@ -270,6 +285,7 @@ class TTFTAffinity:
     def started(self, request: RouteRequest, replica: str) -> None:
         """The request's first token came from ``replica``: its prefill is done, and (first come,
         first served) so is every prefill sent there before it."""
+        request.scratch[_FIRST] = self._clock()
         mark = request.scratch.pop(_MARK, None)
         if mark is not None:
             self.backlog.done(mark[0], mark[1], mark[2])
@@ -288,7 +304,8 @@ class TTFTAffinity:
             "index_entries": len(self.index), "precise_decisions": self.precise_decisions,
             "learned": {"uncached_tokens_per_request": self.work.get(0.0) if len(self.work) else None,
                         "rate_scale": 1.0 / self._scale(),
-                        "prediction_error_s": self.error.get(0.0) if len(self.error) else None},
+                        "prediction_error_s": self.error.get(0.0) if len(self.error) else None,
+                        "seat_hold_s": self.hold.get(0.0) if len(self.hold) else None},
             # How far the belief (held tokens at the chosen replica) was from what it reported
             # reusing, as a share of the prompt tokens: 0 is exact.
             "belief": {"requests": self._belief_n,
@@ -340,6 +357,7 @@ class TTFTAffinity:
                 home = _home(self._orders.order(anchor.key, replicas)[0], order)
         if learn:
             self._others_share = share
+        hold = self.hold.get(0.0)
         scale = self._scale()
         rates = [x / scale if x is not None else None for x in _rates(order)]
         keys = self._keys(request)
@@ -351,7 +369,7 @@ class TTFTAffinity:
         learned = self.work.get(-1.0)
         each = [learned if learned >= 0 else u for u in uncached]
         queued = self.backlog.queued([r.name for r in order], rates)
-        ahead, ttft, refill = [], [], []
+        ahead, ttft, refill, seated = [], [], [], []
         # Before any replica has reported a rate every figure is in tokens (a rate of 1).
         speed = [x or 1.0 for x in rates]
         astray = prompt_tokens * share if share and not self.index.holders(route.key) and not any(
@@ -366,7 +384,10 @@ class TTFTAffinity:
             rate = speed[i]
             # The queue is at least what this instance sent and was not done, and at least what
             # the replica reported waiting: each figure counts this instance's own requests.
-            ahead.append(max(queued[i], waiting[i] * each[i]) / rate)
+            # And at least the wait for a seat, where a replica's seats are known: a request that
+            # waits for one is not waiting for prefill (seconds, so only once rates are known).
+            seated.append(seat_wait(r, hold, share) if rates[i] is not None else 0.0)
+            ahead.append(max(max(queued[i], waiting[i] * each[i]) / rate, seated[-1]))
             ttft.append(ahead[-1] + uncached[i] / rate)
             bit = self.bits.get(r.name)
             evicts = self.pools.overflow(bit, uncached[i] / per_block) if back and bit is not None else 0.0
@@ -395,8 +416,8 @@ class TTFTAffinity:
         picks += sorted((i for i in range(n) if rails[i] is not None), key=lambda i: (cost[i], i))
         terms: list[Terms] = []
         if explain:
-            terms = [Terms(r.name, rates[i], held[i], sources[i], uncached[i], ahead[i], strays[i], excess[i],
-                           refill[i], ttft[i], cost[i], bounds[i], rails[i])
+            terms = [Terms(r.name, rates[i], held[i], sources[i], uncached[i], ahead[i], seated[i], strays[i],
+                           excess[i], refill[i], ttft[i], cost[i], bounds[i], rails[i])
                      for i, r in enumerate(order)]
         if learn:
             if any(rails) and rails[min(range(n), key=lambda i: (cost[i], i))] is not None:
@@ -494,6 +515,27 @@ class TTFTAffinity:
         if info.hashes:
             self._hold(info, route, bit, chosen, depths.get(bit, 0))
             request.scratch[_SENT] = chosen.name
+
+
+def seat_wait(r: ReplicaView, hold: float, share: float) -> float:
+    """Seconds until one more request finds a seat at ``r``, whose seats are known (0 otherwise).
+
+    vLLM runs at most ``seats`` requests (--max-num-seqs); past them a request waits, whatever
+    its prefill, for one to end, and with every seat taken they end ``seats / hold`` a second
+    (``hold``: a request's time from its first token to its end). The requests there now: the
+    others' as of the last scrape, this instance's now, and what the other instances sent since
+    the scrape, taken to be what this one sent since then times ``share / (1 - share)``: they
+    decide as it does, on the same facts, so where it sent they sent too. Without that last part
+    eight instances each saw the seats a scrape left free and all filled them (MT-bench precise
+    x8 p95 182 against 25 ms: docs/benchmarks/routing-ttft.md).
+    """
+    seats, queue = r.seats, reported(r)
+    if not seats or queue is None or hold <= 0.0:
+        return 0.0
+    since = max(0, r.in_flight - r.in_flight_at_scrape)
+    others = since * share / (1.0 - share) if share < 1.0 else 0.0
+    now = max(0.0, queue - r.in_flight_at_scrape) + r.in_flight + others
+    return (now - seats + 1.0) * hold / seats if now >= seats else 0.0
 
 
 def _home(first: ReplicaView, order: list[ReplicaView]) -> int:

@@ -54,6 +54,17 @@ def test_a_configured_limit_is_shared_with_the_replicas_other_clients_never_belo
     assert adm.limit(r) == 1  # a stale or crowded view never stalls this instance
 
 
+def test_routing_reads_seats_only_from_the_operator_never_from_a_queue() -> None:
+    # A queue beside 12 running is what a full KV pool shows too; only max_in_flight (vLLM's
+    # --max-num-seqs) tells routing (ttft's seat wait) the replica's seats.
+    pool, _ = _admission()
+    learned, told = pool.add("r1", "http://127.0.0.1:1"), pool.add("r2", "http://127.0.0.1:2", max_in_flight=64)
+    for r in (learned, told):
+        apply_vllm_metrics(r, _scrape(running=12, waiting=3))
+    assert learned.capacity == 12 and learned.seats is None
+    assert told.seats == 64.0
+
+
 @pytest.mark.anyio
 async def test_a_waiter_cancelled_before_it_ran_leaves_its_slot_to_the_next() -> None:
     adm: Admission

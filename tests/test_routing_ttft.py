@@ -241,3 +241,52 @@ def test_instances_sharing_nothing_agree_on_an_organisations_home() -> None:
     assert all(len(names) == 1 for names in homes.values()), homes
     # Not one home for everything: organisations are spread.
     assert len({next(iter(names)) for names in homes.values()}) > 1, homes
+
+
+def _hold_learned(policy: TTFTAffinity, clock: Clock, replicas: list[View], seconds: float) -> None:
+    """Streams that held their seat ``seconds`` from first token to end (what ``hold`` learns)."""
+    for i in range(8):
+        request = one_off(5000 + i, 400)
+        chosen = policy.prefer(request, replicas)[0]
+        policy.started(request, chosen.name)
+        clock.t += seconds
+        policy.observe(request, RouteFeedback(chosen.name, 100, 0, True, ttft_s=0.01))
+
+
+def test_past_its_seats_a_request_waits_for_one_to_end_and_goes_elsewhere() -> None:
+    # vLLM runs --max-num-seqs requests at once; the next waits for one to end, however short
+    # its prefill. Known (max_in_flight), that wait is ahead of it; unknown, nothing is presumed.
+    for seats in (None, 4.0):
+        clock = Clock()
+        policy, replicas = TTFTAffinity(RoutingSettings(), clock), rated(2)
+        for r in replicas:
+            r.seats, r.running, r.waiting = seats, 0.0, 0.0
+        _hold_learned(policy, clock, replicas, 2.0)
+        assert policy.hold.get(0.0) == 2.0
+        home = served(policy, twin(1, 1), replicas)
+        home.running, home.waiting = 4.0, 3.0  # every seat taken, three of other clients' waiting
+        terms = {t.replica: t for t in policy.explain(twin(1, 2), replicas)}
+        chosen = policy.prefer(twin(1, 2), replicas)[0]
+        if seats is None:
+            assert terms[home.name].seat == 0.0 and chosen is home  # warm, and no wait presumed
+        else:
+            # Seven there, four seats: it waits for four of them to end, one every 2 s / 4.
+            assert terms[home.name].seat == (7 - 4 + 1) * 2.0 / 4
+            assert terms[home.name].ahead >= terms[home.name].seat
+            assert chosen is not home
+
+
+def test_other_instances_sends_since_the_scrape_are_counted_as_this_ones() -> None:
+    # Eight instances reading one scrape all saw the same free seats and filled them: each now
+    # takes the others to have sent where it sent since the scrape, in proportion to their share.
+    clock = Clock()
+    policy, replicas = TTFTAffinity(RoutingSettings(), clock), rated(2)
+    for r in replicas:
+        r.seats, r.running, r.waiting = 4.0, 0.0, 0.0
+    _hold_learned(policy, clock, replicas, 1.0)
+    r0 = replicas[0]
+    r0.running, r0.waiting, r0.in_flight_at_scrape = 4.0, 0.0, 2  # half of the queue ours: share 0.5
+    replicas[1].running, replicas[1].in_flight_at_scrape = 4.0, 2
+    r0.in_flight = 3  # one more of ours since the scrape: as many of the others', presumably
+    seat = {t.replica: t.seat for t in policy.explain(one_off(1, 400), replicas)}[r0.name]
+    assert seat == ((4 - 2) + 3 + 1 - 4 + 1) * 1.0 / 4

@@ -74,6 +74,13 @@ class Replica:
     failures: int = 0
     _urls: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
 
+    @property
+    def seats(self) -> float | None:
+        """Its sequence slots for routing (``routing.base.ReplicaView.seats``): the operator's
+        ``max_in_flight``, vLLM's --max-num-seqs. Never the learned ``capacity``: a queue beside a
+        full KV pool, or beside a prefill step in progress, shows fewer running than its seats."""
+        return float(self.max_in_flight) if self.max_in_flight else None
+
     def url_for(self, path: str) -> httpx.URL:
         """Parsed once per path: URL parsing is a visible share of a proxied request's cost."""
         url = self._urls.get(path)

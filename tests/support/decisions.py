@@ -7,16 +7,19 @@ prompts, flat completions prompts, Anthropic breakpoints and boundary markers,
 tool lists, the Messages protocol; replicas that report queues; requests held
 for random times, some failing; two instances, one of them told the other's
 facts (``share_index``). For ``ttft``, replicas also report prefill rates and
-pool sizes, and replies cached tokens and a first token's time (what it learns
-from), drawn from a second generator so that ``prefix_affinity``'s sequence,
-and its decisions' digest in the docs, stay as they were. Run by ``tests/test_routing_native.py`` once compiled
-and once interpreted (``KVGATE_INTERPRETED=1``): the outputs must be equal.
+pool sizes and have known seats or not, replies report cached tokens and a first
+token's time, and streams their first tokens (what it learns from), all drawn
+from a second generator so that ``prefix_affinity``'s sequence, and its
+decisions' digest in the docs, stay as they were. Run by
+``tests/test_routing_native.py`` once compiled and once interpreted
+(``KVGATE_INTERPRETED=1``): the outputs must be equal.
 """
 
 from __future__ import annotations
 
 import random
 import sys
+from typing import Any
 
 from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.prefix_affinity import PrefixAffinity
@@ -64,7 +67,7 @@ def run(seed: int, n: int, policy: str = "prefix_affinity") -> list[str]:
     rng, learnt = random.Random(seed), random.Random(seed + 1) if policy == "ttft" else None
     clock = Clock()
     make = POLICIES[policy]
-    policies = [make(RoutingSettings(share_index=True), clock), make(RoutingSettings(), clock)]
+    policies: list[Any] = [make(RoutingSettings(share_index=True), clock), make(RoutingSettings(), clock)]
     fleets = [[SimView(f"r{i}", weight=1.0 + (i == 2)) for i in range(5)] for _ in policies]
     held: list[tuple[int, RouteRequest, SimView]] = []
     convs: dict[int, int] = {}
@@ -87,7 +90,11 @@ def run(seed: int, n: int, policy: str = "prefix_affinity") -> list[str]:
                     if learnt:
                         r.prefill_rate = learnt.choice((5000.0, 10000.0))
                         r.kv_tokens = float(learnt.randrange(20_000, 80_000))
+                        r.seats = learnt.choice((None, 4.0, 8.0))
                     r.in_flight_at_scrape = r.in_flight
+        if learnt and held and learnt.random() < 0.3:  # a held request's first token (ttft's seat hold)
+            q, started, where = held[learnt.randrange(len(held))]
+            policies[q].started(started, where.name)
         p = rng.randrange(2)
         request = _request(rng, convs)
         order = policies[p].prefer(request, fleets[p])
