@@ -305,9 +305,17 @@ async def _busiest(ctx: Ctx, until: float, role: str | None = None) -> tuple[str
 
 
 async def kill_busiest(ctx: Ctx, role: str | None = None) -> None:
-    """SIGKILL the busiest replica (of ``role``) once the load runs; start it again at 60%."""
+    """SIGKILL the busiest replica (of ``role``) once the load runs, while it streams (a request of it
+    past its first token, so that a stream is cut mid-way, which is the fault); start it again at 60%."""
     await ctx.at(min(1.0, 0.3 * ctx.duration))
-    name, inflight = await _busiest(ctx, until=ctx.t0 + 0.5 * ctx.duration, role=role)
+    until = ctx.t0 + 0.5 * ctx.duration
+    while True:
+        name, inflight = await _busiest(ctx, until=until, role=role)
+        r = await ctx.control.get(ctx.fleet.sim(name).url + "/sim/stats")
+        # Its running requests are decoding: each has sent its first token, and its client is mid-stream.
+        if r.json().get("running", 0) > 0 or time.monotonic() >= until:
+            break
+        await asyncio.sleep(0.01)
     sim = ctx.fleet.sim(name)
     sim.kill()
     ctx.tally.facts.update(killed=name, in_flight_at_kill=inflight)
