@@ -114,30 +114,64 @@ def test_a_slot_a_tenant_below_its_share_let_go_waits_for_it_not_for_the_others_
     assert q2 is not None
 
 
-def test_no_probe_seat_once_the_seats_are_confirmed_while_slots_are_promised() -> None:
+def test_no_probe_seat_once_the_replica_refused_one_while_slots_are_promised() -> None:
     clock = [0.0]
     pool = ReplicaPool(PoolSettings(), httpx.AsyncClient())
     adm = Admission(pool, active=lambda: True, clock=lambda: clock[0])
     r = pool.add("r1", "http://127.0.0.1:1")
-    r.in_flight = 5
-    apply_vllm_metrics(r, _scrape(running=4, waiting=1))
-    assert r.capacity == 4 and r.capacity_seen == 1
+    leases = [pool.acquire(r) for _ in range(6)]  # all of them ours
+    apply_vllm_metrics(r, _scrape(running=4, waiting=2))
     quiet = Tenant("quiet", "q", "salt")
     ticket = adm.ticket(quiet, "standard", 10)
     ticket.hold()
-    assert adm.limit(r) == 5  # promised, but one sighting may be a step in which a request ended
-    r.in_flight = 6  # all of them ours
-    apply_vllm_metrics(r, _scrape(running=4, waiting=2))
+    # Promised, but 6 were there: one may have ended in the step, its seat not yet taken again.
+    assert r.capacity == 4 and not r.capacity_confirmed and adm.limit(r) == 5
+    leases.pop().release()  # 5 in flight since here: the seats and the probe
+    apply_vllm_metrics(r, _scrape(running=4, waiting=2))  # the gauges of a step before it
+    assert not r.capacity_confirmed  # 6 were in flight since the last scrape
+    apply_vllm_metrics(r, _scrape(running=4, waiting=1))
     ticket.done()
     ticket = adm.ticket(quiet, "standard", 10)
     ticket.hold()  # quiet still shows demand
-    assert r.capacity_seen == 2 and adm.limit(r) == 4  # confirmed: a probe would take quiet's seat
+    assert r.capacity_confirmed and adm.limit(r) == 4  # the probe was refused; it would take quiet's seat
     clock[0] = 10.0
     ticket.done()
     assert adm.limit(r) == 4  # its demand lasts one of its requests' times after it let go
     clock[0] = 30.0
     adm.pump()  # as after every scrape
     assert adm.limit(r) == 5  # nothing promised: probe again
+
+
+def test_a_seat_short_in_steps_where_a_request_ended_is_not_confirmed_so_the_probe_finds_it() -> None:
+    """vLLM counts a request that finished in a step out of running at the step's end, before the
+    next step admits a waiting one into its seat: a scrape then shows a full replica a seat short,
+    beside a queue. Two such scrapes while a flood drained once learned 3 seats of 4 as confirmed
+    (bench.fairness); with slots promised there was then no probe seat, kvgate sent 3, the replica
+    never ran 4 again, and nothing could correct it."""
+    pool, adm = _admission()
+    r = pool.add("r1", "http://127.0.0.1:1")
+    adm.ticket(Tenant("quiet", "q", "salt"), "standard", 10).hold()  # slots are promised throughout
+    seats = 4
+    leases = [pool.acquire(r) for _ in range(10)]  # a flood reached the replica before any limit
+
+    def scrape(running: int) -> None:
+        """The replica's gauges, all of its requests ours; the pump, as after every scrape."""
+        apply_vllm_metrics(r, _scrape(running=running, waiting=len(leases) - running))
+        adm.pump()
+
+    for _ in range(2):
+        leases.pop().release()  # a request finished in the step: out of running, and its stream ends
+        scrape(running=seats - 1)
+    assert r.capacity == 3 and adm.limit(r) == 4  # a seat short, and the probe seat stays
+    for _ in range(3):
+        # The flood drains to this instance's limit and kvgate fills it; a step in which none ended.
+        while leases and not adm.has_slot(r):
+            leases.pop().release()
+        while adm.has_slot(r):
+            leases.append(pool.acquire(r))
+        scrape(running=min(len(leases), seats))
+    # It ran 4 (the probe seat), then refused a fifth: confirmed, and no probe while promised.
+    assert r.capacity == seats and r.capacity_confirmed and adm.limit(r) == seats
 
 
 def test_the_last_step_is_found_from_the_chunks_that_carry_tokens_never_early() -> None:

@@ -33,7 +33,9 @@ within its share (the instance's slots by weight among the active tenants) may t
 a free slot even while others wait, and goes first when one frees; the slots a
 tenant with nothing waiting has shown it uses, up to its share, are promised to it,
 so a slot it lets go waits for its next request rather than go to another's excess.
-While anything is promised, a replica whose seats are confirmed gets no probe seat.
+While anything is promised, a replica whose seats are confirmed (it refused a probe: kept a
+request waiting while it held no more than its seats and one; ``pool._learn_seats``) gets no
+probe seat.
 A ticket's ``hold`` and ``done`` tell the shares who holds what (``done`` runs just
 before the lease ends, so the hand-on sees the slot as its tenant's).
 
@@ -204,15 +206,14 @@ class Admission:
             capacity: float = r.max_in_flight
         elif r.capacity is not None:
             # The probe seat (module docstring), but not while slots are promised to a tenant
-            # (policies.fair_share) once the seats are confirmed (``Replica.capacity_seen``):
+            # (policies.fair_share) once the replica has refused one (``Replica.capacity_confirmed``):
             # the probe's request would wait inside the replica and take the seat that
-            # tenant's next request was promised.
-            confirmed = r.capacity_seen >= 2
-            capacity = r.capacity + (0 if self._protecting and confirmed else 1)
+            # tenant's next request was promised. Until then it stays, promises or not: it is
+            # what lets a count learned a seat short rise (``pool._learn_seats``).
+            capacity = r.capacity + (0 if self._protecting and r.capacity_confirmed else 1)
         else:
             return None
-        others = (r.running or 0.0) + (r.waiting or 0.0) - r.in_flight_at_scrape
-        return max(1.0, capacity - max(0.0, others))
+        return max(1.0, capacity - r.others)
 
     def has_slot(self, r: Replica) -> bool:
         limit = self.limit(r)

@@ -49,10 +49,10 @@ class Replica:
     # Seats the replica has shown it holds: its running count at a scrape that also showed
     # requests waiting (vLLM queues only when its batch is full). None until it has queued once.
     capacity: float | None = None
-    # Scrapes that showed a queue beside exactly ``capacity`` running: 2 confirm it (one may be a
-    # step in which a request finished, which vLLM counts out of running before the next takes
-    # its seat).
-    capacity_seen: int = 0
+    # The replica has shown it has no seat beyond ``capacity``: it kept a request waiting while it
+    # held no more than ``capacity`` + 1 (``apply_vllm_metrics``). Admission then gives no probe
+    # seat while slots are promised.
+    capacity_confirmed: bool = False
     # Active health: unknown (None) until the first check answers.
     healthy: bool | None = None
     draining: bool = False
@@ -61,6 +61,8 @@ class Replica:
     consecutive_failures: int = 0
     last_ok: float = 0.0
     in_flight: int = 0
+    # The most of ``in_flight`` at once since the last scrape (``apply_vllm_metrics``).
+    in_flight_peak: int = 0
     # Shared load view, from the replica's own /metrics.
     waiting: float | None = None
     running: float | None = None
@@ -104,6 +106,12 @@ class Replica:
         models = self.models
         return not models or model in models
 
+    @property
+    def others(self) -> float:
+        """Requests at the replica by its last scrape that were not this instance's (other
+        instances, other clients): running and waiting, less ours at that scrape."""
+        return max(0.0, (self.running or 0.0) + (self.waiting or 0.0) - self.in_flight_at_scrape)
+
 
 class Lease:
     """One request's hold on a replica. ``release()`` may be called any number of times."""
@@ -115,6 +123,8 @@ class Lease:
         self._released = False
         self._on_release = on_release
         replica.in_flight += 1
+        if replica.in_flight > replica.in_flight_peak:
+            replica.in_flight_peak = replica.in_flight
 
     def release(self) -> None:
         if not self._released:
@@ -428,16 +438,45 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
         setattr(replica, attr, value)
     # Which of the reported requests were ours (routing.base.load_now).
     replica.in_flight_at_scrape = replica.in_flight
-    if replica.running and (replica.waiting or replica.capacity is not None):
-        # vLLM leaves a request waiting only when its batch is full (--max-num-seqs or KV
-        # blocks), so what runs beside a queue is what it holds; once known, any larger batch
-        # it runs raises it (admission's probe seat is how it gets the chance). The largest
-        # seen: a batch of long prompts holds fewer, and kvgate would rather let the replica
-        # queue one request than leave seats empty after a run of long prompts.
-        if replica.capacity is None or replica.running > replica.capacity:
-            replica.capacity, replica.capacity_seen = replica.running, 0
-        if replica.running == replica.capacity and replica.waiting:
-            replica.capacity_seen += 1
+    _learn_seats(replica)
+    replica.in_flight_peak = replica.in_flight  # the next scrape's peak counts from here
+
+
+def _learn_seats(replica: Replica) -> None:
+    """The replica's seats (``capacity``) from a scrape, and whether it has shown it has no more.
+
+    vLLM leaves a request waiting only when its batch is full (--max-num-seqs or KV blocks), so
+    what runs beside a queue is what it holds; once known, any larger batch it runs raises it
+    (admission's probe seat is how it gets the chance). The largest seen: a batch of long prompts
+    holds fewer, and kvgate would rather let the replica queue one request than leave seats
+    empty after a run of long prompts.
+
+    The running count is a floor, never a ceiling: vLLM sets its gauges at the end of a step,
+    after it counted the requests that finished in it out of running and before the next step
+    admits waiting ones to their seats (``Scheduler.make_stats`` in ``update_from_output``). So a
+    full replica scraped after a step in which a request finished shows a seat short beside a
+    queue, and any number of such scrapes can agree on it. What proves the ceiling is a probe
+    refused: a request kept waiting while the replica held no more than ``capacity`` + 1 (with a
+    seat more, all of them would have run). Held: ours at their most since the last scrape, and
+    others' as this scrape shows them. Ours at their most, not at the scrape: one that finished in
+    the step has left our count by then, and it is the one the gauges no longer show. Every
+    request the step held stays in our count until the step ends (a lease ends after its stream),
+    so the peak counts it if the step ended after the last scrape, as it has while requests wait:
+    vLLM then steps back to back, each step far shorter than the interval between scrapes. Of
+    another client's requests only those the scrape shows are counted: one of theirs that
+    finished in the step is as invisible here as ours would be at the scrape.
+
+    While a flood that came before any limit was known queues at the replica, or a last-step
+    hand-on (``admission.Ticket.last_step``) puts a request beside one finishing, the replica holds
+    more than ``capacity`` + 1 and nothing is confirmed: admission keeps the probe seat, the
+    replica runs all its seats, and the count rises to them."""
+    running, waiting = replica.running, replica.waiting
+    if not running or not (waiting or replica.capacity is not None):
+        return
+    if replica.capacity is None or running > replica.capacity:
+        replica.capacity, replica.capacity_confirmed = running, False
+    if waiting and replica.in_flight_peak + replica.others <= replica.capacity + 1:
+        replica.capacity_confirmed = True
 
 
 def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:
