@@ -305,17 +305,25 @@ async def _busiest(ctx: Ctx, until: float, role: str | None = None) -> tuple[str
 
 
 async def kill_busiest(ctx: Ctx, role: str | None = None) -> None:
-    """SIGKILL the busiest replica (of ``role``) once the load runs, while it streams (a request of it
-    past its first token, so that a stream is cut mid-way, which is the fault); start it again at 60%."""
+    """SIGKILL the busiest replica (of ``role``) once the load runs, while it streams, so that a stream
+    is cut mid-way, which is the fault; start it again at 60%. While it streams: it had requests
+    running (decoding) at two polls a few decode steps apart, so at least one of them has sent
+    tokens. (A replica with requests in flight may hold them all in its queue or in a prefill step:
+    killed then, it cuts no stream, and the scenario exercises nothing.)"""
     await ctx.at(min(1.0, 0.3 * ctx.duration))
-    until = ctx.t0 + 0.5 * ctx.duration
+    until = ctx.t0 + 0.55 * ctx.duration
+    streamed: set[str] = set()  # replicas with requests running at the last poll
     while True:
         name, inflight = await _busiest(ctx, until=until, role=role)
         r = await ctx.control.get(ctx.fleet.sim(name).url + "/sim/stats")
-        # Its running requests are decoding: each has sent its first token, and its client is mid-stream.
-        if r.json().get("running", 0) > 0 or time.monotonic() >= until:
+        running = r.json().get("running", 0) > 0
+        if running and name in streamed:
             break
-        await asyncio.sleep(0.01)
+        if time.monotonic() >= until:
+            ctx.tally.notes.append(f"no replica streamed by {0.55 * ctx.duration:.1f} s: {name} killed anyway")
+            break
+        streamed = {name} if running else set()
+        await asyncio.sleep(0.05)
     sim = ctx.fleet.sim(name)
     sim.kill()
     ctx.tally.facts.update(killed=name, in_flight_at_kill=inflight)
