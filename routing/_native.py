@@ -6,8 +6,8 @@ decision on a 4K-token chat request; compiled by mypyc from the same source,
 about 70 us (``bench.routing_prefer``), the difference between meeting the
 gateway's overhead budget and not. ``ttft`` and its pool model are compiled
 too: in process, with the caches warm, 67 us interpreted against 21 us
-compiled (``bench.routing_prefer``, 2026-12-03). So ``setup.py`` compiles these modules when it can
-(a C compiler and mypyc are there) and installs them interpreted when it cannot:
+compiled (``bench.routing_prefer``, 2026-12-03). So ``setup.py`` compiles
+these modules when it can (a C compiler and mypyc are there) and installs them interpreted when it cannot:
 the same source either way, so the same decisions (``tests/test_routing_native.py``
 compares the two).
 

@@ -48,6 +48,13 @@ def reported(replica: ReplicaView) -> float | None:
     return (replica.running or 0.0) + (replica.waiting or 0.0)
 
 
+def others_reported(replica: ReplicaView) -> float:
+    """Requests at the replica by its last scrape that were not this instance's (other instances,
+    other clients): running and waiting, less ours at that scrape; 0 before any scrape."""
+    queue = reported(replica)
+    return 0.0 if queue is None else max(0.0, queue - replica.in_flight_at_scrape)
+
+
 def load_now(replica: ReplicaView) -> float:
     """The replica's queue right now, as best this instance alone can tell (per unit weight).
 
@@ -59,9 +66,7 @@ def load_now(replica: ReplicaView) -> float:
     it differs between instances; prefix affinity reads the others' part as
     spread evenly (``routing.prefix_affinity._load_view``).
     """
-    queue = reported(replica)
-    others = 0.0 if queue is None else max(0.0, queue - replica.in_flight_at_scrape)
-    return (others + replica.in_flight) / replica.weight
+    return (others_reported(replica) + replica.in_flight) / replica.weight
 
 
 # What a policy keeps in a request's ``scratch`` about one placement (where it went, its marks in

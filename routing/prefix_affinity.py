@@ -375,7 +375,7 @@ def _load_view(replicas: Sequence[ReplicaView]) -> tuple[list[float], list[float
         if queue is None:
             waiting.append(0.0)
             continue
-        others = max(0.0, queue - r.in_flight_at_scrape)  # as ``load_now`` counts them
+        others = max(0.0, queue - r.in_flight_at_scrape)  # ``others_reported``, inline: this loop is hot
         waiting.append(r.waiting * others / queue / r.weight if queue and r.waiting else 0.0)
         others_all += others / r.weight
         total += queue

@@ -113,7 +113,7 @@ from collections import deque
 from typing import Callable, NamedTuple, Sequence
 
 from .backlog import CHARS_PER_TOKEN, Backlog
-from .base import ReplicaView, RouteFeedback, RouteRequest, reported
+from .base import ReplicaView, RouteFeedback, RouteRequest, others_reported, reported
 from .block_index import BlockIndex, ReplicaBits
 from .gossip import HELD, PLACED, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
@@ -529,12 +529,11 @@ def seat_wait(r: ReplicaView, hold: float, share: float) -> float:
     eight instances each saw the seats a scrape left free and all filled them (MT-bench precise
     x8 p95 182 against 25 ms: docs/benchmarks/routing-ttft.md).
     """
-    seats, queue = r.seats, reported(r)
-    if not seats or queue is None or hold <= 0.0:
+    seats = r.seats
+    if not seats or reported(r) is None or hold <= 0.0:
         return 0.0
     since = max(0, r.in_flight - r.in_flight_at_scrape)
-    others = since * share / (1.0 - share) if share < 1.0 else 0.0
-    now = max(0.0, queue - r.in_flight_at_scrape) + r.in_flight + others
+    now = others_reported(r) + r.in_flight + (since * share / (1.0 - share) if share < 1.0 else 0.0)
     return (now - seats + 1.0) * hold / seats if now >= seats else 0.0
 
 

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from policies.fair_queue import Entry, FairQueue
 from policies.fair_share import Shares
 from policies.priority import band
+from routing.base import others_reported
 
 from gateway.errors import NoReplica, RateLimited
 from .pool import Replica, ReplicaPool
@@ -213,7 +214,7 @@ class Admission:
             capacity = r.capacity + (0 if self._protecting and r.capacity_confirmed else 1)
         else:
             return None
-        return max(1.0, capacity - r.others)
+        return max(1.0, capacity - others_reported(r))
 
     def has_slot(self, r: Replica) -> bool:
         limit = self.limit(r)

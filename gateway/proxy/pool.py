@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 import httpx
 
+from routing.base import others_reported
 from routing.rates import RATE_METRICS, prefill_rate
 
 from gateway.settings import PoolSettings, ReplicaSettings
@@ -105,12 +106,6 @@ class Replica:
     def serves(self, model: str) -> bool:
         models = self.models
         return not models or model in models
-
-    @property
-    def others(self) -> float:
-        """Requests at the replica by its last scrape that were not this instance's (other
-        instances, other clients): running and waiting, less ours at that scrape."""
-        return max(0.0, (self.running or 0.0) + (self.waiting or 0.0) - self.in_flight_at_scrape)
 
 
 class Lease:
@@ -475,7 +470,7 @@ def _learn_seats(replica: Replica) -> None:
         return
     if replica.capacity is None or running > replica.capacity:
         replica.capacity, replica.capacity_confirmed = running, False
-    if waiting and replica.in_flight_peak + replica.others <= replica.capacity + 1:
+    if waiting and replica.in_flight_peak + others_reported(replica) <= replica.capacity + 1:
         replica.capacity_confirmed = True
 
 
