@@ -9,12 +9,14 @@ wait is a whole decode, and the tenant that asked for little pays for the
 excess of another. So the slots a tenant below its share has shown it uses are
 held back from the others' excess: *the excess of others waits, not it*.
 
-* **Demand.** A tenant's demand is the most slots it held at once within the
-  last stretch of one of its own requests' time in a slot (``lease_s``, a
-  smoothed mean of how long its requests hold one, as TCP smooths its round
-  trip, RFC 6298's 1/8). A client that sends its next request as its last one
-  ends, or within the time one takes, keeps its demand; one that pauses
-  longer than that lets it go. Before any of its requests has ended, a tenant's
+* **Demand.** A tenant's demand is the slots it holds, and each slot it let go
+  within the last stretch of one of its own requests' time in a slot
+  (``lease_s``, a smoothed mean of how long its requests hold one, as TCP
+  smooths its round trip, RFC 6298's 1/8) and has not taken again. A client
+  that sends its next request as its last one ends, or within the time one
+  takes, keeps its slot; one that pauses longer than that lets it go. Each slot
+  is timed on its own: several users of a tenant are out of step, and never
+  all in a slot at one moment. Before any of its requests has ended, a tenant's
   demand is what it holds.
 * **Active** tenants are those with demand, or with requests waiting.
 * **Share.** The instance's slots (the sum of its replicas' limits) in
@@ -31,7 +33,8 @@ its old demand for one ``lease_s`` more.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 __all__ = ["Shares"]
 
@@ -42,18 +45,26 @@ _GAIN = 1 / 8
 @dataclass(slots=True)
 class _Use:
     held: int = 0
-    peak: int = 0  # the most held at once since peak_at
-    peak_at: float = 0.0
+    # When each slot it let go was let go, oldest first, while it has not taken one again and the
+    # slot's time (``lease_s`` from then) has not run out. Per slot, not one peak for the tenant:
+    # two users out of step are never both in a slot at one moment, so a peak renewed only when
+    # all its slots were held at once lapsed while both still used theirs (a user who let go just
+    # after the other took one back renewed nothing), and the other tenant took the slot.
+    idle: deque[float] = field(default_factory=deque)
     lease_s: float = 0.0  # smoothed time its requests hold a slot; 0 before any ended
 
+    def _prune(self, now: float) -> None:
+        while self.idle and now - self.idle[0] > self.lease_s:
+            self.idle.popleft()
+
     def demand(self, now: float) -> int:
-        if self.lease_s > 0 and now - self.peak_at <= self.lease_s:
-            return max(self.held, self.peak)
-        return self.held
+        """Slots held, and slots let go within one of its requests' times and not taken again."""
+        self._prune(now)
+        return self.held + len(self.idle)
 
     def expires(self) -> float:
-        """When the demand falls back to what is held, unless renewed."""
-        return self.peak_at + self.lease_s
+        """When the demand next falls, unless a slot is taken again (``demand`` pruned the idle)."""
+        return self.idle[0] + self.lease_s
 
 
 class Shares:
@@ -62,21 +73,27 @@ class Shares:
 
     # -- what happened ----------------------------------------------------------------------
     def hold(self, tenant: str, now: float) -> None:
-        """A request of ``tenant`` took a slot."""
+        """A request of ``tenant`` took a slot: one it let go, if any is still its own."""
         use = self._use.setdefault(tenant, _Use())
+        use._prune(now)
+        if use.idle:
+            use.idle.popleft()
         use.held += 1
-        if use.held >= use.demand(now):
-            use.peak, use.peak_at = use.held, now
 
     def release(self, tenant: str, now: float, held_s: float) -> None:
         """A request of ``tenant`` gave its slot back after ``held_s`` seconds."""
         use = self._use.get(tenant)
         if use is None or use.held <= 0:
             return
-        if use.demand(now) == use.held:  # the peak was this very moment's: it is still shown now
-            use.peak, use.peak_at = use.held, now
         use.held -= 1
         use.lease_s = held_s if use.lease_s == 0 else use.lease_s + _GAIN * (held_s - use.lease_s)
+        use.idle.append(now)
+
+    def unhold(self, tenant: str) -> None:
+        """A slot taken for ``tenant`` went unused (its request gave up as it was handed the slot)."""
+        use = self._use.get(tenant)
+        if use is not None and use.held > 0:
+            use.held -= 1
 
     def forget_idle(self, now: float) -> None:
         """Drop tenants with nothing held and no demand left (bounded memory)."""

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.proxy.admission import Admission
+from gateway.proxy.admission import Admission, Ticket
 from gateway.proxy.pool import PoolEvents, ReplicaPool, apply_vllm_metrics
 from gateway.settings import PoolSettings
 from policies.tenants import Tenant
@@ -112,6 +112,72 @@ def test_a_slot_a_tenant_below_its_share_let_go_waits_for_it_not_for_the_others_
     clock[0] = 2.5  # quiet paused longer than one of its requests takes: the promise lapses
     assert adm.ticket(noisy, "standard", 10).free([r]) == [r]
     assert q2 is not None
+
+
+@pytest.mark.anyio
+async def test_slots_freed_in_one_turn_go_to_the_excess_only_past_what_is_held_back() -> None:
+    """Answers end in the same decode step, so their slots free in one turn of the loop. Each woken
+    waiter holds its slot at once: counted only once its task ran, the excess looked below its share
+    at every slot freed in that turn, and took the slot held back for the quiet tenant too."""
+    clock = [0.0]
+    pool = ReplicaPool(PoolSettings(), httpx.AsyncClient())
+    adm = Admission(pool, active=lambda: True, clock=lambda: clock[0])
+    r = pool.add("r1", "http://127.0.0.1:1", models=["m"], max_in_flight=4)
+    quiet, noisy = Tenant("quiet", "q", "salt", queue_timeout_s=60), Tenant("noisy", "n", "salt", queue_timeout_s=60)
+
+    def take(tenant: Tenant) -> Ticket:
+        ticket = adm.ticket(tenant, "standard", 10)
+        ticket.hold()
+        pool.acquire(r)
+        ticket.replica = r
+        return ticket
+
+    q1, q2 = take(quiet), take(quiet)
+    n1, n2 = take(noisy), take(noisy)
+    clock[0] = 1.0
+    q1.done()  # a quiet user's answer ended after a second; it is pausing
+    r.in_flight -= 1
+    waiters = [asyncio.ensure_future(adm.ticket(noisy, "standard", 10).wait("m")) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert adm.queue_len == 3  # the free slot is held back for quiet
+    n1.last_step()  # both of noisy's answers reach their last step in one decode step
+    n2.last_step()
+    await asyncio.sleep(0)
+    assert [w.done() for w in waiters] == [True, True, False]  # its own two slots, not quiet's
+    assert adm.ticket(quiet, "standard", 10).free([r]) == [r]
+    waiters[2].cancel()
+    assert q2 is not None
+    await pool.client.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(10)  # the fault was a livelock: the loop never yields to a timer
+async def test_a_waiter_handed_the_probe_seat_keeps_it_when_the_seat_is_withdrawn() -> None:
+    """The probe seat is there while nothing is promised; a tenant whose queue empties (it is handed
+    the seat) has demand and nothing waiting, so it is promised, and the seat goes in the same
+    instant. The slot handed is the waiter's: sent back to the queue, the next pump handed it the
+    same seat again, for ever."""
+    pool = ReplicaPool(PoolSettings(), httpx.AsyncClient())
+    adm = Admission(pool, active=lambda: True)
+    r = pool.add("r1", "http://127.0.0.1:1", models=["m"])
+    noisy = Tenant("noisy", "n", "salt", queue_timeout_s=60)
+    tickets = [adm.ticket(noisy, "standard", 10) for _ in range(4)]
+    leases = [pool.acquire(r) for _ in range(5)]
+    for t in tickets:
+        t.hold()
+    apply_vllm_metrics(r, _scrape(running=4, waiting=1))
+    leases.pop().release()  # the probe's request ended: 4 in flight, all noisy's
+    assert r.capacity_confirmed and adm.limit(r) == 5  # nothing promised yet: noisy's slots are all held
+    tickets[0].done()
+    leases.pop().release()
+    tickets[0] = adm.ticket(noisy, "standard", 10)
+    tickets[0].hold()
+    leases.append(pool.acquire(r))
+    adm.pump()
+    assert adm.limit(r) == 4  # noisy shows demand with nothing waiting: promised, no probe seat
+    waiter = asyncio.ensure_future(adm.ticket(noisy, "standard", 10).wait("m"))
+    assert await asyncio.wait_for(waiter, 5) == [r]  # queued: no probe; handed it: promised again
+    await pool.client.aclose()
 
 
 def test_no_probe_seat_once_the_replica_refused_one_while_slots_are_promised() -> None:

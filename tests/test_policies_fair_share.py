@@ -20,6 +20,23 @@ def test_a_tenant_keeps_the_slots_it_showed_it_uses_for_one_of_its_requests_time
     assert s.held_back("quiet", 8, W, {}, 1.5) == (0.0, None)  # nothing is held back from itself
 
 
+def test_users_out_of_step_keep_each_slot_for_one_of_their_requests_times() -> None:
+    """Two users of one tenant never hold their two slots at one moment once one has paused: each
+    slot is kept while its own user comes back within a request's time."""
+    s = Shares()
+    s.hold("quiet", 0.0)
+    s.hold("quiet", 0.0)
+    s.release("quiet", 1.0, held_s=1.0)  # user A's answer ends; A pauses
+    s.release("quiet", 1.6, held_s=1.0)  # user B's ends while A is still away
+    s.hold("quiet", 1.7)  # A is back, 0.7 s after its slot went
+    # B's slot went 0.6 s ago, within one request's time: still its. (Timed from the last moment both
+    # slots were held, 1.0 s, the demand lapsed at 2.0 s and the other tenant took B's slot.)
+    assert s.held_back("noisy", 8, W, {}, 2.2) == (1.0, 2.6)
+    s.hold("quiet", 2.3)
+    assert s.held_back("noisy", 8, W, {}, 2.4) == (0.0, None)  # both held: nothing to keep for it
+    assert s.held_back("noisy", 8, W, {}, 2.7) == (0.0, None)
+
+
 def test_nothing_is_held_back_before_a_request_has_ended_or_beyond_the_share() -> None:
     s = Shares()
     for _ in range(6):

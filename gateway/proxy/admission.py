@@ -81,10 +81,14 @@ _OUTCOMES = ("served", "timeout", "disconnect", "shutdown")
 @dataclass(slots=True, eq=False)
 class _Waiter:
     model: str
-    tenant: str
+    ticket: "Ticket"
     future: asyncio.Future[Replica]
     # A P/D leg waits for a replica of its role (gateway.proxy.disagg); None: any.
     roles: frozenset[str] | None = None
+
+    @property
+    def tenant(self) -> str:
+        return self.ticket.tenant.name
 
     def takes(self, r: Replica) -> bool:
         return r.serves(self.model) and (self.roles is None or r.role in self.roles)
@@ -133,7 +137,7 @@ class Ticket:
         """Its slot is given back; call before the lease ends, so the slot's hand-on sees it."""
         if self.ending and self.replica is not None:
             self.ending = False
-            _drop_one(self.admission.ending, self.replica)
+            self.replica.ending -= 1
         self._let_go()
 
     def _let_go(self) -> None:
@@ -141,6 +145,13 @@ class Ticket:
         if self.held_at is not None:
             self.admission.release(self.tenant.name, self.admission.clock() - self.held_at)
             self.held_at = None
+
+    def unhold(self) -> None:
+        """It was handed a slot it will not use (``Admission.pump`` holds for it): no request's time
+        in a slot, so nothing is learned from it."""
+        if self.held_at is not None:
+            self.held_at = None
+            self.admission.unhold(self.tenant.name)
 
     def last_step(self) -> None:
         """Its answer is one decode step from its end (it streamed all its ``max_tokens`` but
@@ -151,7 +162,7 @@ class Ticket:
         if self.held_at is None or self.replica is None or self.ending:
             return
         self.ending = True
-        self.admission.ending[self.replica] = self.admission.ending.get(self.replica, 0) + 1
+        self.replica.ending += 1
         self._let_go()
         self.admission.pump()
 
@@ -161,13 +172,18 @@ class Ticket:
         Raises 429 at the deadline, 503 at shutdown; cancellation (a disconnect) leaves the queue at once."""
         adm = self.admission
         while True:
-            await adm.wait(self, model, roles)
+            handed = await adm.wait(self, model, roles)
             eligible = adm.pool.eligible(model, roles)
             if not eligible:  # its replicas went (ejected, drained, removed) while it waited
+                self.unhold()
                 raise NoReplica(f"no healthy replica serves model '{model}'")
-            free = [r for r in eligible if adm.has_slot(r)]
+            # The slot it was handed is its own, whatever the limits say now: a probe seat withdrawn
+            # in the meantime (``Admission.limit``) must not send it back to the queue, where the
+            # next pump would hand it the same slot again.
+            free = [r for r in eligible if r is handed or adm.has_slot(r)]
             if free:
                 return free
+            self.unhold()  # the slot it was handed went with its replica: it waits again
 
 
 class Admission:
@@ -180,8 +196,6 @@ class Admission:
         self.queue: FairQueue[_Waiter] = FairQueue()
         self.queue_len = 0  # len(queue), kept as a plain int for the fast path
         self.reserved: dict[Replica, int] = {}  # slots handed to woken waiters, not yet leased
-        # Leases whose answer is in its last step and whose slot was handed on (``Ticket.last_step``).
-        self.ending: dict[Replica, int] = {}
         self.closed = False
         self.tallies: dict[str, _TenantTally] = {}
         # Who holds the slots, and what is held back for tenants below their share.
@@ -222,7 +236,7 @@ class Admission:
 
     def _taken(self, r: Replica) -> int:
         """The slots on ``r`` in use: leases not in their last step, and slots handed to waiters."""
-        return r.in_flight - self.ending.get(r, 0) + self.reserved.get(r, 0)
+        return r.in_flight - r.ending + self.reserved.get(r, 0)
 
     # -- shares of a full fleet (policies.fair_share) ---------------------------------------
     def _limits(self) -> list[tuple[Replica, float | None]]:
@@ -268,6 +282,10 @@ class Admission:
         self.shares.hold(tenant, self.clock())
         self._update_protecting()
 
+    def unhold(self, tenant: str) -> None:
+        self.shares.unhold(tenant)
+        self._update_protecting()
+
     def release(self, tenant: str, held_s: float) -> None:
         now = self.clock()
         self.shares.release(tenant, now, held_s)
@@ -295,14 +313,15 @@ class Admission:
         self._wake = loop.call_later(delay + 0.001, wake)
 
     # -- waiting ----------------------------------------------------------------------------
-    async def wait(self, ticket: Ticket, model: str, roles: frozenset[str] | None = None) -> None:
+    async def wait(self, ticket: Ticket, model: str, roles: frozenset[str] | None = None) -> Replica:
+        """Queue ``ticket`` until a slot is handed to it; the replica whose slot it is."""
         if self.closed:
             raise _shutting_down()
         tenant = ticket.tenant
         loop = asyncio.get_running_loop()
         if ticket.deadline is None:  # one deadline however often the request is woken and requeued
             ticket.deadline = loop.time() + tenant.queue_timeout_s
-        waiter = _Waiter(model, tenant.name, loop.create_future(), roles)
+        waiter = _Waiter(model, ticket, loop.create_future(), roles)
         entry = self.queue.push(waiter, tenant=tenant.name, band=band(ticket.cls), cost=ticket.cost,
                                 weight=tenant.weight)
         self.queue_len += 1
@@ -325,6 +344,7 @@ class Admission:
             self._left(entry, outcome)
             self._record(tenant.name, outcome, self.clock() - started)
         self._unreserve(replica)  # the caller routes at once, with no await in between
+        return replica
 
     def _left(self, entry: Entry[_Waiter], outcome: str) -> None:
         if self.queue.remove(entry):
@@ -333,6 +353,7 @@ class Admission:
         fut = entry.item.future
         if outcome != "served" and fut.done() and not fut.cancelled() and fut.exception() is None:
             # Handed a slot in the same instant it gave up: pass the slot on.
+            entry.item.ticket.unhold()
             self._unreserve(fut.result())
             self.pump()
 
@@ -368,6 +389,11 @@ class Admission:
                     continue
                 self.reserved[r] = self.reserved.get(r, 0) + 1
                 entry.item.future.set_result(r)
+                # Its tenant holds the slot from now, not from when its task next runs: several
+                # slots freed in one turn of the loop (answers ending in the same decode step)
+                # would otherwise each find the tenant below its share, and its excess would take
+                # the slots held back for others.
+                entry.item.ticket.hold()
 
     def _next_waiter(self, r: Replica, slots: float | None, at: float) -> Entry[_Waiter] | None:
         """The waiter a free slot on ``r`` goes to, taken out of the queue: with every limit known,

@@ -62,7 +62,11 @@ class Replica:
     consecutive_failures: int = 0
     last_ok: float = 0.0
     in_flight: int = 0
-    # The most of ``in_flight`` at once since the last scrape (``apply_vllm_metrics``).
+    # Of ``in_flight``, leases whose answer is in its last decode step and whose slot was handed
+    # on (``admission.Ticket.last_step``): the replica finishes them at that step's end.
+    ending: int = 0
+    # The most requests held at once since the last scrape (``apply_vllm_metrics``): ``in_flight``
+    # less ``ending``, what the replica can be holding at a step's end.
     in_flight_peak: int = 0
     # Shared load view, from the replica's own /metrics.
     waiting: float | None = None
@@ -118,8 +122,9 @@ class Lease:
         self._released = False
         self._on_release = on_release
         replica.in_flight += 1
-        if replica.in_flight > replica.in_flight_peak:
-            replica.in_flight_peak = replica.in_flight
+        held = replica.in_flight - replica.ending
+        if held > replica.in_flight_peak:
+            replica.in_flight_peak = held
 
     def release(self) -> None:
         if not self._released:
@@ -434,7 +439,7 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
     # Which of the reported requests were ours (routing.base.load_now).
     replica.in_flight_at_scrape = replica.in_flight
     _learn_seats(replica)
-    replica.in_flight_peak = replica.in_flight  # the next scrape's peak counts from here
+    replica.in_flight_peak = replica.in_flight - replica.ending  # the next scrape's peak counts from here
 
 
 def _learn_seats(replica: Replica) -> None:
@@ -487,6 +492,6 @@ def snapshot(pool: ReplicaPool) -> list[dict[str, Any]]:
             "kv_usage": r.kv_usage, "prefix_hit_rate": hit, "served": r.served, "failures": r.failures,
             "weight": r.weight, "source": r.source, "prefill_rate": r.prefill_rate, "kv_tokens": r.kv_tokens,
             "scheduling_policy": r.scheduling_policy, "max_in_flight": r.max_in_flight, "capacity": r.capacity,
-            "role": r.role,
+            "capacity_confirmed": r.capacity_confirmed, "role": r.role,
         })
     return rows
