@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import orjson
@@ -537,6 +537,6 @@ def _pulled(terms: Terms, params: Mapping[str, Any]) -> float:
 
 
 def _replace_payload(call: UpstreamCall, payload: bytes) -> UpstreamCall:
-    """The decode leg's call: the params it carries are sent to one replica at most (``once``)."""
-    return UpstreamCall(call.path, payload, call.headers, call.read_timeout_s, call.connect_timeout_s,
-                        call.max_attempts, call.priority, once=True, moved=call.moved)
+    """The decode leg's call: the params it carries are sent to one replica at most (``once``). The
+    rest is the client's call: its ``Moved`` shared, and a stream's wait for its first event."""
+    return replace(call, payload=payload, once=True)
