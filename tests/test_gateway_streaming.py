@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from functools import partial
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
+from gateway.proxy.pool import ReplicaPool
 from tests.support.stack import MODEL, Stack, start_stack
 from vllm_sim.timing import TimingModel
 
@@ -232,12 +234,16 @@ def test_a_stream_whose_replica_dies_after_its_headers_is_retried_without_budget
             t.join(120)
         assert [answers[i] for i in range(n)] == [(200, "r2", expected[i]) for i in range(n)]
         assert on_r1 >= 1 and stack.runtime.pool.budget.active_retries == 0
-        pool = stack.runtime.pool
-        assert pool.replicas["r1"].failures >= on_r1  # each counted against the dead replica
-        assert stack.wait_for(lambda: all(r.in_flight == 0 for r in pool.replicas.values()) and
-                              pool.active_requests == 0, timeout=2.0)
+        assert stack.runtime.pool.replicas["r1"].failures >= on_r1  # each counted against the dead replica
+        assert stack.wait_for(partial(_settled, stack.runtime.pool), timeout=2.0)
     finally:
         stack.close()
+
+
+def _settled(pool: ReplicaPool) -> bool:
+    """Every lease, request and retry given back."""
+    return (all(r.in_flight == 0 for r in pool.replicas.values()) and pool.active_requests == 0
+            and pool.budget.active_retries == 0)
 
 
 def _streamed_text(lines: Iterator[str]) -> str | None:
@@ -253,3 +259,28 @@ def _streamed_text(lines: Iterator[str]) -> str | None:
             return None
         text.extend(choice["delta"].get("content") or "" for choice in obj["choices"])
     return None
+
+
+@pytest.mark.parametrize("fault", [{"die_after_tokens": 0}, {"html_200": True}], ids=["dropped", "html"])
+def test_a_stream_failing_after_its_headers_on_a_live_replica_takes_the_retry_budget(fault: dict[str, object]) -> None:
+    # r1 answers 200 and then drops the connection before any event, or sends a page that is no
+    # event stream. It is alive (a new connection to it is accepted), so the retry is an ordinary
+    # one: within the budget it goes to r2, and without budget the client gets the 502.
+    prompt = [{"role": "user", "content": "r1 fails after its headers"}]
+    for pool, served in (({}, (200, "r2")), (NO_BUDGET, (502, ""))):
+        stack = start_stack(2, routing={"policy": "least_load"}, pool=pool)  # r1 first: ties break by name
+        try:
+            stack.faults("r1", **fault)
+            expected = httpx.post(stack.sim_url("r2") + "/v1/chat/completions", timeout=10, json={
+                "model": MODEL, "max_tokens": 4, "messages": prompt}).json()["choices"][0]["message"]["content"]
+            with httpx.stream("POST", stack.base_url + "/chat/completions", timeout=30, json={
+                    "model": MODEL, "max_tokens": 4, "stream": True, "messages": prompt}) as r:
+                got = (r.status_code, r.headers.get("x-kvgate-replica", ""))
+                text = _streamed_text(r.iter_lines()) if r.status_code == 200 else None
+            assert got == served
+            assert text == (expected if served[0] == 200 else None)
+            replicas = stack.runtime.pool.replicas
+            assert replicas["r1"].failures == 1 and replicas["r2"].failures == 0
+            assert stack.wait_for(partial(_settled, stack.runtime.pool), timeout=2.0)
+        finally:
+            stack.close()

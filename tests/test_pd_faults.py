@@ -272,3 +272,25 @@ def test_a_decode_stream_whose_replica_dies_after_its_headers_is_prefilled_again
             assert all(r.in_flight == 0 for r in pool.replicas.values())
         finally:
             stack.close()
+
+
+def test_a_decode_stream_dropped_after_its_headers_by_a_live_replica_is_prefilled_again(
+        fleet: PDStack, ref: PDSim) -> None:
+    # d1 pulls the params' blocks, answers 200 and drops the connection before any event. It is alive,
+    # so the retry takes the budget (there is enough), and it is prefilled again: d1 may have pulled
+    # the blocks, which the prefill replica then frees. The failure is d1's, not the prefill replica's.
+    fleet.faults("d1", die_after_tokens=0)
+    disagg = fleet.runtime.disagg
+    for asked in range(1, TRIES + 1):
+        messages = chat(f"d1 drops streams {asked}")
+        assert ask(fleet, messages, stream=True) == expected(ref, messages)
+        if disagg.fallbacks["decode", "retry"] >= 1:
+            break
+    else:
+        raise AssertionError(f"d1 was never sent a decode leg in {TRIES} requests")
+    retries = disagg.fallbacks["decode", "retry"]
+    assert pd(fleet, PREFILLS, "remote_prefills") == asked + retries
+    assert pd(fleet, ("d2",), "transfers") == asked and pd(fleet, ("d1",), "transfers") == retries
+    pool = fleet.runtime.pool
+    assert pool.replicas["d1"].failures == retries and all(pool.replicas[p].failures == 0 for p in PREFILLS)
+    assert pool.budget.active_retries == 0

@@ -29,8 +29,10 @@ pull) prefills locally, on the same replica and outside the retry budget
 (``Disagg._recompute`` says why); one that fails otherwise, or fails that too, is
 replaced by another decode replica, prefilled again on another prefill replica,
 within the pool's retry budget, unless it is gone (it dropped the connection and
-refused a new one: ``upstream.take_retry``, once per request). Once the client has
-seen a byte, nothing is retried (the relay's rules).
+refused a new one: ``upstream.take_retry``, once per request). A streamed decode
+leg fails "before its first byte" until its first event is in hand, after its
+headers too (``upstream.UpstreamCall.first``). Once the client has seen a byte,
+nothing is retried (the relay's rules).
 When no replica has a P/D role none of this runs: the endpoint's only cost is a
 scan of the replicas' roles (``ReplicaPool.disaggregated``).
 
@@ -282,8 +284,9 @@ class Disagg:
             attempt = await open_upstream(rt.pool, rt.policy, route, decode_call, rt.replica_keys, ctx.ticket,
                                           roles=DECODE_ROLES, exclude=tried)
         except SentAndDropped as dropped:
-            # The params reached a replica that died before answering: it may have pulled the
-            # blocks, and the prefill replica frees what was read. Never send them again:
+            # The params reached a replica that died before answering (or before its stream's
+            # first event: ``UpstreamCall.first``): it may have pulled the blocks, and the prefill
+            # replica frees what was read. Never send them again:
             # another decode replica, prefilled again, as after a 5xx.
             if last:
                 raise

@@ -5,9 +5,11 @@ byte reached the client, when the replica did no work for this request (the
 connection was refused, or it answered 429 / 503) or lost it (it dropped the
 connection, or its stream failed before the first event: ``first_event``), and
 within the pool's retry budget, except the one retry of a request whose replica
-is gone (``take_retry`` says why). Connect errors and 5xx
-count towards ejection; 429 never does (it is back-pressure). The caller owns
-the returned response and lease and must close/release both (``Attempt.close``).
+is gone (``take_retry`` says why). Connect errors, 5xx and a stream failing
+before its first event count towards ejection; 429 never does (it is
+back-pressure). The caller owns the returned response and lease and must
+close/release both (``Attempt.close``); a stream's first event is in
+``Attempt.head``, read and not yet sent.
 """
 
 from __future__ import annotations
