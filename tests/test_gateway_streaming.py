@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from functools import partial
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
+from gateway.proxy.pool import ReplicaPool
 from tests.support.stack import MODEL, Stack, start_stack
 from vllm_sim.timing import TimingModel
 
@@ -197,3 +200,87 @@ def test_in_flight_returns_to_zero_under_concurrency() -> None:
         assert stack.wait_for(lambda: pool.active_requests == 0 and pool.budget.active_retries == 0, timeout=2.0)
     finally:
         stack.close()
+
+
+def test_a_stream_whose_replica_dies_after_its_headers_is_retried_without_budget() -> None:
+    # The chaos run's replica_killed_midstream, for streams: vLLM sends a stream's headers before its
+    # first token, so r1 has answered 200 for each of these when it dies, and no byte has reached a
+    # client yet (the relay starts the client's response at the first event). Each must get its whole
+    # answer from r2, with a retry budget that allows none: the wait for the first event is part of
+    # the retry loop (gateway.proxy.upstream), and r1 is gone.
+    stack = start_stack(2, routing={"policy": "round_robin"}, pool=NO_BUDGET)
+    try:
+        n = 6
+        prompts = [[{"role": "user", "content": f"streamed and held {i}"}] for i in range(n)]
+        expected = [httpx.post(stack.sim_url("r2") + "/v1/chat/completions", timeout=10, json={
+            "model": MODEL, "max_tokens": 4, "messages": m}).json()["choices"][0]["message"]["content"]
+            for m in prompts]
+        stack.faults("r1", stall_before_first_token_s=120.0)
+        before = sum(stack.sim_stats(r)["engine_requests"] for r in stack.sims)
+        answers: dict[int, tuple[int, str, str | None]] = {}
+
+        def ask(i: int) -> None:
+            with httpx.stream("POST", stack.base_url + "/chat/completions", timeout=120, json={
+                    "model": MODEL, "max_tokens": 4, "stream": True, "messages": prompts[i]}) as r:
+                answers[i] = (r.status_code, r.headers.get("x-kvgate-replica", ""), _streamed_text(r.iter_lines()))
+        senders = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+        for t in senders:
+            t.start()
+        assert stack.wait_for(lambda: sum(stack.sim_stats(r)["engine_requests"] for r in stack.sims) >= before + n,
+                              timeout=60)
+        on_r1 = stack.sim_stats("r1")["engine_requests"]
+        stack.sims["r1"].kill()
+        for t in senders:
+            t.join(120)
+        assert [answers[i] for i in range(n)] == [(200, "r2", expected[i]) for i in range(n)]
+        assert on_r1 >= 1 and stack.runtime.pool.budget.active_retries == 0
+        assert stack.runtime.pool.replicas["r1"].failures >= on_r1  # each counted against the dead replica
+        assert stack.wait_for(partial(_settled, stack.runtime.pool), timeout=2.0)
+    finally:
+        stack.close()
+
+
+def _settled(pool: ReplicaPool) -> bool:
+    """Every lease, request and retry given back."""
+    return (all(r.in_flight == 0 for r in pool.replicas.values()) and pool.active_requests == 0
+            and pool.budget.active_retries == 0)
+
+
+def _streamed_text(lines: Iterator[str]) -> str | None:
+    """The content of a chat stream's chunks; None if the stream failed (an error event, or no [DONE])."""
+    text = []
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return "".join(text)
+        obj = json.loads(line[6:])
+        if "error" in obj:
+            return None
+        text.extend(choice["delta"].get("content") or "" for choice in obj["choices"])
+    return None
+
+
+@pytest.mark.parametrize("fault", [{"die_after_tokens": 0}, {"html_200": True}], ids=["dropped", "html"])
+def test_a_stream_failing_after_its_headers_on_a_live_replica_takes_the_retry_budget(fault: dict[str, object]) -> None:
+    # r1 answers 200 and then drops the connection before any event, or sends a page that is no
+    # event stream. It is alive (a new connection to it is accepted), so the retry is an ordinary
+    # one: within the budget it goes to r2, and without budget the client gets the 502.
+    prompt = [{"role": "user", "content": "r1 fails after its headers"}]
+    for pool, served in (({}, (200, "r2")), (NO_BUDGET, (502, ""))):
+        stack = start_stack(2, routing={"policy": "least_load"}, pool=pool)  # r1 first: ties break by name
+        try:
+            stack.faults("r1", **fault)
+            expected = httpx.post(stack.sim_url("r2") + "/v1/chat/completions", timeout=10, json={
+                "model": MODEL, "max_tokens": 4, "messages": prompt}).json()["choices"][0]["message"]["content"]
+            with httpx.stream("POST", stack.base_url + "/chat/completions", timeout=30, json={
+                    "model": MODEL, "max_tokens": 4, "stream": True, "messages": prompt}) as r:
+                got = (r.status_code, r.headers.get("x-kvgate-replica", ""))
+                text = _streamed_text(r.iter_lines()) if r.status_code == 200 else None
+            assert got == served
+            assert text == (expected if served[0] == 200 else None)
+            replicas = stack.runtime.pool.replicas
+            assert replicas["r1"].failures == 1 and replicas["r2"].failures == 0
+            assert stack.wait_for(partial(_settled, stack.runtime.pool), timeout=2.0)
+        finally:
+            stack.close()

@@ -236,3 +236,61 @@ def test_a_prefill_replica_that_times_out_falls_back_to_a_local_prefill() -> Non
             assert pd(stack, ("d1",), "transfers") == 0
         finally:
             stack.close()
+
+
+def test_a_decode_stream_whose_replica_dies_after_its_headers_is_prefilled_again_without_budget() -> None:
+    # The same, streamed: vLLM sends a stream's headers before its first token, so d1 has answered
+    # 200 for each decode leg when it dies, and no byte has reached a client yet (the relay starts
+    # the client's response at the first event). The wait for that event is part of the decode
+    # leg's retry: each request is prefilled again (d1 may have pulled its params' blocks) and
+    # decoded by d2, with a retry budget that allows none, as d1 is gone.
+    held = 6
+    with PDSim("ref6") as ref:
+        stack = PDStack(ROLES, routing={"disaggregation": "always"},
+                        pool={"eject_consecutive_failures": 100, "retry_budget_ratio": 0.0, "retry_budget_min": 0})
+        try:
+            stack.faults("d1", stall_before_first_token_s=120.0)
+            stack.admin_post("/admin/replicas/d2/drain", {}).raise_for_status()
+            questions = [chat(f"d1 dies streaming {i}") for i in range(held)]
+            with ThreadPoolExecutor(held) as burst:
+                answers = [burst.submit(ask, stack, m, True) for m in questions]
+                deadline = time.monotonic() + 60
+                while stack.sims["d1"].stats()["engine_requests"] < held:
+                    assert time.monotonic() < deadline, "d1 never held every request"
+                    time.sleep(0.05)
+                stack.admin_post("/admin/replicas/d2/undrain", {}).raise_for_status()
+                stack.sims["d1"].server.kill()
+                assert [a.result(timeout=120) for a in answers] == [expected(ref, m) for m in questions]
+            disagg = stack.runtime.disagg
+            assert disagg.fallbacks["decode", "retry"] == held
+            assert disagg.legs["decode", "failed"] == held
+            assert pd(stack, PREFILLS, "remote_prefills") == 2 * held
+            assert pd(stack, ("d2",), "transfers") == held
+            pool = stack.runtime.pool
+            assert pool.replicas["d1"].failures >= held  # counted against the dead replica
+            assert pool.budget.active_retries == 0
+            assert all(r.in_flight == 0 for r in pool.replicas.values())
+        finally:
+            stack.close()
+
+
+def test_a_decode_stream_dropped_after_its_headers_by_a_live_replica_is_prefilled_again(
+        fleet: PDStack, ref: PDSim) -> None:
+    # d1 pulls the params' blocks, answers 200 and drops the connection before any event. It is alive,
+    # so the retry takes the budget (there is enough), and it is prefilled again: d1 may have pulled
+    # the blocks, which the prefill replica then frees. The failure is d1's, not the prefill replica's.
+    fleet.faults("d1", die_after_tokens=0)
+    disagg = fleet.runtime.disagg
+    for asked in range(1, TRIES + 1):
+        messages = chat(f"d1 drops streams {asked}")
+        assert ask(fleet, messages, stream=True) == expected(ref, messages)
+        if disagg.fallbacks["decode", "retry"] >= 1:
+            break
+    else:
+        raise AssertionError(f"d1 was never sent a decode leg in {TRIES} requests")
+    retries = disagg.fallbacks["decode", "retry"]
+    assert pd(fleet, PREFILLS, "remote_prefills") == asked + retries
+    assert pd(fleet, ("d2",), "transfers") == asked and pd(fleet, ("d1",), "transfers") == retries
+    pool = fleet.runtime.pool
+    assert pool.replicas["d1"].failures == retries and all(pool.replicas[p].failures == 0 for p in PREFILLS)
+    assert pool.budget.active_retries == 0

@@ -29,8 +29,10 @@ pull) prefills locally, on the same replica and outside the retry budget
 (``Disagg._recompute`` says why); one that fails otherwise, or fails that too, is
 replaced by another decode replica, prefilled again on another prefill replica,
 within the pool's retry budget, unless it is gone (it dropped the connection and
-refused a new one: ``upstream.take_retry``, once per request). Once the client has
-seen a byte, nothing is retried (the relay's rules).
+refused a new one: ``upstream.take_retry``, once per request). A streamed decode
+leg fails "before its first byte" until its first event is in hand, after its
+headers too (``upstream.UpstreamCall.first``). Once the client has seen a byte,
+nothing is retried (the relay's rules).
 When no replica has a P/D role none of this runs: the endpoint's only cost is a
 scan of the replicas' roles (``ReplicaPool.disaggregated``).
 
@@ -44,7 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import orjson
@@ -282,8 +284,9 @@ class Disagg:
             attempt = await open_upstream(rt.pool, rt.policy, route, decode_call, rt.replica_keys, ctx.ticket,
                                           roles=DECODE_ROLES, exclude=tried)
         except SentAndDropped as dropped:
-            # The params reached a replica that died before answering: it may have pulled the
-            # blocks, and the prefill replica frees what was read. Never send them again:
+            # The params reached a replica that died before answering (or before its stream's
+            # first event: ``UpstreamCall.first``): it may have pulled the blocks, and the prefill
+            # replica frees what was read. Never send them again:
             # another decode replica, prefilled again, as after a 5xx.
             if last:
                 raise
@@ -537,6 +540,6 @@ def _pulled(terms: Terms, params: Mapping[str, Any]) -> float:
 
 
 def _replace_payload(call: UpstreamCall, payload: bytes) -> UpstreamCall:
-    """The decode leg's call: the params it carries are sent to one replica at most (``once``)."""
-    return UpstreamCall(call.path, payload, call.headers, call.read_timeout_s, call.connect_timeout_s,
-                        call.max_attempts, call.priority, once=True, moved=call.moved)
+    """The decode leg's call: the params it carries are sent to one replica at most (``once``). The
+    rest is the client's call: its ``Moved`` shared, and a stream's wait for its first event."""
+    return replace(call, payload=payload, once=True)

@@ -30,7 +30,8 @@ from .asgi_io import ClientDisconnected, Exchange, Receive, Scope, Send, read_bo
 from . import stages
 from gateway.errors import OPENAI_SHAPE, BadRequest, ErrorShape, GatewayError, UpstreamError, UpstreamTimeout, \
     internal_error
-from .relay import Outcome, WholeObserver, relay_stream, relay_whole
+from .first_event import FirstEvent, Head
+from .relay import Outcome, WholeObserver, open_stream, relay_stream, relay_whole
 from .sse import StreamObserver
 from .transport import UPSTREAM_HEADERS
 from .upstream import Attempt, UpstreamCall, open_upstream, read_error_body
@@ -139,6 +140,8 @@ class ProxyEndpoint:
             read_timeout_s=max(timeouts.first_byte_s, timeouts.stall_s) if ctx.stream else timeouts.non_stream_s,
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
             priority=stages.vllm_priority(ctx),
+            # A stream is open at its first event: a replica failing before it is retried (first_event).
+            first=FirstEvent(partial(self._stream_observer, ctx), timeouts.first_byte_s) if ctx.stream else None,
         )
         stages.claim_slot(rt, ctx, call.payload, route.token_ids)
         stages.place_round_robin(rt, ctx, route)
@@ -164,7 +167,7 @@ class ProxyEndpoint:
         finally:
             await attempt.close()
 
-    async def _forward(self, ctx: RequestContext, exchange: Exchange, attempt: Any) -> Outcome:
+    async def _forward(self, ctx: RequestContext, exchange: Exchange, attempt: Attempt) -> Outcome:
         """The replica's answer relayed to the client, and the replica's health told what it did."""
         rt = self.rt
         replica = attempt.replica
@@ -178,7 +181,7 @@ class ProxyEndpoint:
         if response.status_code != 200:
             raise await read_error_body(response, replica)
         try:
-            outcome = await self._relay(ctx, exchange, response)
+            outcome = await self._relay(ctx, exchange, attempt)
         except (UpstreamError, UpstreamTimeout):
             # The replica failed us before the first byte (garbage, text/html, silence):
             # that counts towards ejection, as Envoy counts the 502/504s it generates itself.
@@ -200,9 +203,16 @@ class ProxyEndpoint:
         """Client headers the API passes on (credentials never: upstream headers are built from scratch)."""
         return {}
 
-    def _observer(self, ctx: RequestContext) -> StreamObserver:
-        """What reads the replica's stream as it passes through (usage, text, the end)."""
+    def _observer(self, ctx: RequestContext, replica: str) -> StreamObserver:
+        """What reads the stream of ``replica`` (the one the attempt went to) as it passes through
+        (usage, text, the end)."""
         return StreamObserver(self.endpoint, strip_usage_chunk=not ctx.include_usage)
+
+    def _stream_observer(self, ctx: RequestContext, replica: str) -> StreamObserver:
+        """A fresh observer for each attempt at the stream (``first_event.FirstEvent``)."""
+        observer = self._observer(ctx, replica)
+        stages.hand_on_early(self.rt, ctx, observer)
+        return observer
 
     def _whole_observer(self) -> WholeObserver | None:
         """What reads a whole answer; None: the chat family's (``relay.observe_choices``)."""
@@ -216,15 +226,20 @@ class ProxyEndpoint:
                 return await rt.disagg.open(ctx, route, call, leg, ctx.upstream)
         return await open_upstream(self.rt.pool, self.rt.policy, route, call, self.rt.replica_keys, ctx.ticket)
 
-    async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
+    async def _head(self, ctx: RequestContext, attempt: Attempt) -> Head:
+        """The stream's first event: read in the retry loop (``UpstreamCall.first``), or here."""
+        if attempt.head is not None:
+            return attempt.head
+        observer = self._stream_observer(ctx, attempt.replica.name)
+        return await open_stream(attempt.response, observer, self.rt.settings.timeouts.first_byte_s)
+
+    async def _relay(self, ctx: RequestContext, exchange: Exchange, attempt: Attempt) -> Outcome:
         timeouts = self.rt.settings.timeouts
         on_complete = None if ctx.cache_req is None else partial(stages.store_answer, self.rt, ctx)
+        response = attempt.response
         if ctx.stream:
-            observer = self._observer(ctx)
-            stages.hand_on_early(self.rt, ctx, observer)
-            return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
-                                      stall_s=timeouts.stall_s, started_at=ctx.started, on_complete=on_complete,
-                                      on_first=ctx.first_token)
+            return await relay_stream(response, await self._head(ctx, attempt), exchange, stall_s=timeouts.stall_s,
+                                      started_at=ctx.started, on_complete=on_complete, on_first=ctx.first_token)
         return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s,
                                  on_complete=on_complete, observe=self._whole_observer())
 

@@ -2,8 +2,9 @@
 
 Streaming: the client's response starts only when the first upstream event
 arrives (so a replica that never produces a first token becomes a clean 504,
-not a broken stream); after that every complete event is forwarded the moment
-it arrives. A failure after the first byte keeps what was sent and ends with
+not a broken stream, and one that fails before it is retried: the wait is in
+the retry loop, ``first_event``); after that every complete event is forwarded
+the moment it arrives. A failure after the first byte keeps what was sent and ends with
 one error event — never an invented ``finish_reason`` or ``[DONE]``.
 
 ``on_complete`` runs once the answer is whole and before the client gets its
@@ -14,7 +15,6 @@ writes the answer there, so a repeat sent the moment they arrive can be served.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -23,6 +23,7 @@ import orjson
 
 from .asgi_io import Exchange
 from gateway.errors import UpstreamError, UpstreamTimeout
+from .first_event import Head, NoFirstEvent, next_chunk, read_first_event
 from .sse import StreamObserver, Usage
 
 SSE_HEADERS = [
@@ -62,19 +63,6 @@ def _observed(outcome: Outcome, observer: StreamObserver) -> Outcome:
     return outcome
 
 
-async def _next_chunk(it: AsyncIterator[bytes], timeout_s: float | None) -> bytes | None:
-    """The next upstream chunk. ``timeout_s`` None: the transport enforces the deadline."""
-    try:
-        if timeout_s is None:
-            return await it.__anext__()
-        async with asyncio.timeout(timeout_s):
-            return await it.__anext__()
-    except StopAsyncIteration:
-        return None
-    except httpx.ReadTimeout:
-        raise TimeoutError from None
-
-
 def _stall_deadline(response: httpx.Response, stall_s: float) -> float | None:
     """After the first token the deadline between chunks is ``stall_s``. kvgate's own
     transport applies it natively (cheaper than a timer per chunk); any other
@@ -100,29 +88,27 @@ async def _drain(it: AsyncIterator[bytes], limit: int = 64 * 1024) -> None:
         return
 
 
-async def relay_stream(
-    response: httpx.Response, exchange: Exchange, observer: StreamObserver, *,
-    first_byte_s: float, stall_s: float, started_at: float, on_complete: OnComplete | None = None,
-    on_first: Callable[[], None] | None = None,
-) -> Outcome:
-    outcome = Outcome()
-    it = response.aiter_raw().__aiter__()
-    # Before the first event: nothing sent yet, so failures are plain HTTP errors.
-    pending = b""
+async def open_stream(response: httpx.Response, observer: StreamObserver, first_byte_s: float) -> Head:
+    """The first event of a stream whose retry loop did not wait for it (``UpstreamCall.first``
+    unset). Nothing was sent yet, so failures are plain HTTP errors."""
     try:
-        while not pending:
-            chunk = await _next_chunk(it, first_byte_s)
-            if chunk is None:
-                observer.finish()
-                raise UpstreamError("replica closed the stream before the first token")
-            pending = observer.feed(chunk)
-            if observer.failure and not pending:
-                raise UpstreamError("replica sent an invalid stream")
+        return await read_first_event(response, observer, first_byte_s)
     except TimeoutError:
         raise UpstreamTimeout("replica produced no first token in time") from None
+    except NoFirstEvent as e:
+        raise UpstreamError(str(e)) from None
     except httpx.HTTPError:
         raise UpstreamError("replica failed before the first token") from None
-    outcome.ttft_s = time.perf_counter() - started_at
+
+
+async def relay_stream(
+    response: httpx.Response, head: Head, exchange: Exchange, *, stall_s: float, started_at: float,
+    on_complete: OnComplete | None = None, on_first: Callable[[], None] | None = None,
+) -> Outcome:
+    """``head``: the stream's first event, in hand (``first_event``); the client's response starts here."""
+    outcome = Outcome()
+    observer, it, pending = head.observer, head.chunks, head.pending
+    outcome.ttft_s = head.at - started_at
     if on_first is not None:
         on_first()
     await exchange.start(200, SSE_HEADERS)
@@ -132,7 +118,7 @@ async def relay_stream(
     per_chunk = _stall_deadline(response, stall_s)
     try:
         while observer.failure is None and not observer.done:
-            chunk = await _next_chunk(it, per_chunk)
+            chunk = await next_chunk(it, per_chunk)
             if chunk is None:
                 observer.finish()
                 break

@@ -160,18 +160,27 @@ def _expire(wakeup: asyncio.Future[None]) -> None:
 
 
 class _Body(httpx.AsyncByteStream):
-    def __init__(self, pool: "LeanTransport", key: tuple[str, int], conn: _Conn, read_timeout: float | None) -> None:
-        self.pool, self.key, self.conn, self.read_timeout = pool, key, conn, read_timeout
+    def __init__(self, pool: "LeanTransport", key: tuple[str, int], conn: _Conn, timeouts: dict[str, Any]) -> None:
+        self.pool, self.key, self.conn = pool, key, conn
+        self.read_timeout: float | None = timeouts.get("read")
+        self.connect_timeout: float | None = timeouts.get("connect")
         self.released = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         # read_timeout is read on every chunk: the relay shortens it once the first token is in.
         conn = self.conn
-        while True:
+        try:
             chunk = await conn.next_chunk(self.read_timeout)
-            if chunk is None:
-                return
+        except httpx.TimeoutException:
+            raise
+        except httpx.HTTPError as e:
+            # Lost after the headers and before any byte of the body (vLLM sends a stream's headers
+            # before its first token): whether the replica is still there, as before the headers.
+            await self.pool.after_drop(self.key, e, self.connect_timeout)
+            raise
+        while chunk is not None:
             yield chunk
+            chunk = await conn.next_chunk(self.read_timeout)
 
     async def aclose(self) -> None:
         if self.released:
@@ -243,33 +252,38 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 conn.abort()
                 if conn.received_any:
                     raise
-                conn = await self._after_drop(key, e, timeouts.get("connect"))
                 if reused:
                     # A kept-alive connection the replica closed while idle: sent again, once, on the new one.
+                    conn = await self._reconnect(key, e, timeouts.get("connect"))
                     reused = False
                     continue
-                self.put_back(key, conn)
+                await self.after_drop(key, e, timeouts.get("connect"))
                 raise
             except BaseException:
                 conn.abort()
                 raise
-            return httpx.Response(conn.status, headers=conn.headers,
-                                  stream=_Body(self, key, conn, timeouts.get("read")),
+            return httpx.Response(conn.status, headers=conn.headers, stream=_Body(self, key, conn, timeouts),
                                   extensions={"http_version": b"HTTP/1.1"}, request=request)
         raise httpx.RemoteProtocolError("replica closed the connection")  # pragma: no cover
 
-    async def _after_drop(self, key: tuple[str, int], dropped: httpx.HTTPError, timeout: float | None) -> _Conn:
+    async def _reconnect(self, key: tuple[str, int], dropped: httpx.HTTPError, timeout: float | None) -> _Conn:
         """A new connection to a replica that dropped one with a request on it, before any byte of its
-        answer. Refused (or impossible: ``ConnectError``): the replica is gone, and ``ReplicaGone`` says
-        so. A timeout proves nothing (an overloaded replica is slow to accept too): the drop is raised.
-        Either way the drop, not the connect's error: the request was written and may have arrived, and
-        a caller that must not send it twice (``upstream.UpstreamCall.once``) must know it."""
+        answer (or of its body, after its headers: ``_Body``). Refused (or impossible: ``ConnectError``):
+        the replica is gone, and ``ReplicaGone`` says so. A timeout proves nothing (an overloaded replica
+        is slow to accept too): the drop is raised. Either way the drop, not the connect's error: the
+        request was written and may have arrived, and a caller that must not send it twice
+        (``upstream.UpstreamCall.once``) must know it."""
         try:
             return await self._connect(*key, timeout)
         except httpx.ConnectError:
             raise ReplicaGone(f"{dropped}; a new connection failed: the replica is gone") from None
         except httpx.HTTPError:
             raise dropped from None
+
+    async def after_drop(self, key: tuple[str, int], dropped: httpx.HTTPError, timeout: float | None) -> None:
+        """Raises ``ReplicaGone`` if the replica that dropped a connection is gone (``_reconnect``); else
+        returns, the new connection kept for the next request, and the caller raises the drop."""
+        self.put_back(key, await self._reconnect(key, dropped, timeout))
 
     async def aclose(self) -> None:
         for conns in self.idle.values():

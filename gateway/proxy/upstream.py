@@ -3,10 +3,13 @@
 Walks the routing policy's preference order. A retry happens only before any
 byte reached the client, when the replica did no work for this request (the
 connection was refused, or it answered 429 / 503) or lost it (it dropped the
-connection), and within the pool's retry budget, except the one retry of a
-request whose replica is gone (``take_retry`` says why). Connect errors and 5xx
-count towards ejection; 429 never does (it is back-pressure). The caller owns
-the returned response and lease and must close/release both (``Attempt.close``).
+connection, or its stream failed before the first event: ``first_event``), and
+within the pool's retry budget, except the one retry of a request whose replica
+is gone (``take_retry`` says why). Connect errors, 5xx and a stream failing
+before its first event count towards ejection; 429 never does (it is
+back-pressure). The caller owns the returned response and lease and must
+close/release both (``Attempt.close``); a stream's first event is in
+``Attempt.head``, read and not yet sent.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from routing import RouteRequest, RoutingPolicy
 
 from gateway.errors import BadRequest, GatewayError, NoReplica, NotFound, RateLimited, UpstreamError, UpstreamTimeout
 from .admission import Ticket
+from .first_event import FirstEvent, Head, NoFirstEvent, read_first_event
 from .pool import Lease, Replica, ReplicaPool
 from .transport import ReplicaGone
 
@@ -41,11 +45,12 @@ _GONE = (httpx.ConnectError, ReplicaGone)
 
 
 class SentAndDropped(UpstreamError):
-    """A replica dropped the connection after the request was sent, for a call that must not be
-    sent twice as it is (``UpstreamCall.once``): the caller decides what to send next."""
+    """A replica dropped the connection after the request was sent, or its stream failed before
+    the first event, for a call that must not be sent twice as it is (``UpstreamCall.once``): the
+    caller decides what to send next."""
 
-    def __init__(self, replica: str, gone: bool) -> None:
-        super().__init__(f"replica {replica} dropped the connection")
+    def __init__(self, replica: str, gone: bool, what: str = "dropped the connection") -> None:
+        super().__init__(f"replica {replica} {what}")
         self.replica = replica
         self.gone = gone  # and no new connection to it could be made (``_GONE``)
 
@@ -61,6 +66,8 @@ class Attempt:
     prefer_s: float = 0.0
     # The request's admission ticket, whose slot this attempt holds (None: admission is off).
     ticket: Ticket | None = None
+    # A stream's first event, read before the attempt was returned (``UpstreamCall.first``).
+    head: Head | None = None
 
     @property
     def replica(self) -> Replica:
@@ -102,6 +109,10 @@ class UpstreamCall:
     # the replica that took them may have pulled the blocks, which the prefill replica then frees).
     once: bool = False
     moved: Moved = field(default_factory=Moved)
+    # A stream: an attempt is open once its first event is in hand, not at its headers (vLLM sends
+    # a stream's before its first token), so a replica failing in between is retried like one that
+    # failed before them (``first_event``). None: open at the headers.
+    first: FirstEvent | None = None
 
     def payload_for(self, replica: Replica) -> bytes:
         if not self.priority or replica.scheduling_policy != "priority":
@@ -192,14 +203,8 @@ async def _attempts(
                 budget_held += held
             gone = False
             lease = pool.acquire(replica)
-            headers = call.headers
-            if replica_keys and replica.name in replica_keys:
-                headers = {**headers, "authorization": f"Bearer {replica_keys[replica.name]}"}
-            request = httpx.Request("POST", replica.url_for(call.path), content=call.payload_for(replica),
-                                    headers=headers,
-                                    extensions={"timeout": timeout})
             try:
-                response = await pool.transport.handle_async_request(request)
+                response = await pool.transport.handle_async_request(_request(replica, call, replica_keys, timeout))
             except httpx.TimeoutException as e:
                 lease.release()
                 if isinstance(e, (httpx.ConnectTimeout, httpx.PoolTimeout)):
@@ -230,8 +235,18 @@ async def _attempts(
             if response.status_code >= 500 and not call.once:
                 # (A call sent once carries another replica's work: its caller says whose failure it is.)
                 pool.record_failure(replica, f"http_{response.status_code}")
+            head = None
+            if call.first is not None and response.status_code == 200:
+                try:
+                    head = await read_first_event(response, call.first.observer(replica.name), call.first.timeout_s)
+                except BaseException as e:
+                    await response.aclose()  # not cleanly finished: the connection is aborted
+                    lease.release()
+                    last_error = _no_first_event(pool, replica, call, e)
+                    gone = isinstance(e, _GONE)
+                    continue
             attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool,
-                              prefer_s=prefer_s, ticket=ticket)
+                              prefer_s=prefer_s, ticket=ticket, head=head)
             if ticket is not None:
                 ticket.replica = replica
             budget_held = 0
@@ -242,6 +257,32 @@ async def _attempts(
     if isinstance(last_error, RateLimited):
         raise RateLimited("every replica is at capacity; retry later", retry_after_s=retry_after or 1.0)
     raise last_error or NoReplica(f"no replica could take the request for '{route.model}'")
+
+
+def _request(replica: Replica, call: UpstreamCall, replica_keys: dict[str, str] | None,
+             timeout: dict[str, float]) -> httpx.Request:
+    headers = call.headers
+    if replica_keys and replica.name in replica_keys:
+        headers = {**headers, "authorization": f"Bearer {replica_keys[replica.name]}"}
+    return httpx.Request("POST", replica.url_for(call.path), content=call.payload_for(replica), headers=headers,
+                         extensions={"timeout": timeout})
+
+
+def _no_first_event(pool: ReplicaPool, replica: Replica, call: UpstreamCall, exc: BaseException) -> GatewayError:
+    """A stream that failed after its headers and before its first event (``exc``): the error to
+    retry past, or raised. Nothing has reached the client, so the rules are those of a failure before
+    the headers: a dropped connection (or a stream ended or garbled, the same to the client) is
+    retried, a call sent ``once`` goes back to its caller, and a timeout is not retried (the replica
+    may be working on it: never duplicate generation). Each counts against the replica, as a broken
+    reply (``response``); whether it is gone, ``transport.ReplicaGone`` says."""
+    if not isinstance(exc, (TimeoutError, httpx.HTTPError, NoFirstEvent)):
+        raise exc  # cancelled (the client went away), or a bug: not the replica's failure
+    pool.record_failure(replica)
+    if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
+        raise UpstreamTimeout("replica produced no first token in time") from None
+    if call.once:
+        raise SentAndDropped(replica.name, isinstance(exc, _GONE), "failed before its first token") from None
+    return UpstreamError(f"replica {replica.name} failed before the first token")
 
 
 def _max_retry_after(current: float | None, response: httpx.Response) -> float | None:

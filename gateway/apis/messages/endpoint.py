@@ -63,7 +63,7 @@ class MessagesEndpoint(ProxyEndpoint):
     def _upstream_headers(self, ctx: RequestContext) -> dict[str, str]:
         return upstream_headers(ctx.headers)
 
-    def _observer(self, ctx: RequestContext) -> StreamObserver:
+    def _observer(self, ctx: RequestContext, replica: str) -> StreamObserver:
         return MessagesObserver()
 
     def _whole_observer(self) -> WholeObserver | None:

@@ -33,6 +33,7 @@ from gateway.errors import GatewayError, NotFound, UpstreamError
 from gateway.proxy.disagg import LegShape
 from gateway.proxy.endpoint import ProxyEndpoint
 from gateway.proxy.relay import Outcome, read_whole, relay_stream
+from gateway.proxy.sse import StreamObserver
 from .ids import StoredAt
 from .sse import IdRewriter, ResponsesObserver, responses_usage
 from .validate import validate_responses
@@ -113,7 +114,6 @@ async def open_pinned(rt: "Runtime", at: StoredAt, route: RouteRequest, call: Up
 class _State:
     previous: StoredAt | None = None
     previous_client_id: str | None = None
-    replica: str | None = None
 
 
 class ResponsesEndpoint(ProxyEndpoint):
@@ -139,30 +139,33 @@ class ResponsesEndpoint(ProxyEndpoint):
     async def _open(self, route: RouteRequest, call: UpstreamCall, ctx: RequestContext) -> Attempt:
         state: _State = ctx.protocol
         if state.previous is None:
-            attempt = await super()._open(route, call, ctx)
-        else:
-            attempt = await open_pinned(self.rt, state.previous, route, call)
-        state.replica = attempt.replica.name
-        return attempt
+            return await super()._open(route, call, ctx)
+        return await open_pinned(self.rt, state.previous, route, call)
 
-    def _rewriter(self, ctx: RequestContext) -> IdRewriter:
+    def _rewriter(self, ctx: RequestContext, replica: str) -> IdRewriter:
+        """Ids issued for ``replica``'s answer (the one the attempt went to)."""
         state: _State = ctx.protocol
-        ids, replica, namespace = self.rt.response_ids, state.replica or "", ctx.tenant.namespace
+        ids, namespace = self.rt.response_ids, ctx.tenant.namespace
         known = {}
         if state.previous is not None and state.previous_client_id is not None:
             known[state.previous.upstream_id] = state.previous_client_id
         return IdRewriter(lambda upstream: ids.encode(replica, upstream, namespace), known)
 
-    async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
+    def _observer(self, ctx: RequestContext, replica: str) -> StreamObserver:
+        return ResponsesObserver(self.endpoint, strip_usage_chunk=False, rewriter=self._rewriter(ctx, replica))
+
+    async def _relay(self, ctx: RequestContext, exchange: Exchange, attempt: Attempt) -> Outcome:
         timeouts = self.rt.settings.timeouts
-        rewriter = self._rewriter(ctx)
+        response = attempt.response
         if ctx.stream:
-            observer = ResponsesObserver(self.endpoint, strip_usage_chunk=False, rewriter=rewriter)
-            outcome = await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
-                                         stall_s=timeouts.stall_s, started_at=ctx.started)
+            head = await self._head(ctx, attempt)
+            outcome = await relay_stream(response, head, exchange, stall_s=timeouts.stall_s, started_at=ctx.started)
             # The relay times the first event; on this protocol that precedes the first token.
+            observer = head.observer
+            assert isinstance(observer, ResponsesObserver)
             outcome.ttft_s = None if observer.first_delta_at is None else observer.first_delta_at - ctx.started
             return outcome
+        rewriter = self._rewriter(ctx, attempt.replica.name)
         body, obj = await read_whole(response, timeout_s=timeouts.non_stream_s)
         rewriter.learn(obj.get("id"))
         status = obj.get("status")

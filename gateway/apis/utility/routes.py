@@ -28,7 +28,7 @@ Memory stays bounded by the same limit as every JSON body.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 import orjson
@@ -40,10 +40,10 @@ from gateway.proxy.asgi_io import Exchange, Receive, Scope, read_body
 from gateway.proxy.context import RequestContext
 from gateway.errors import BadRequest, UpstreamError
 from gateway.proxy.endpoint import ProxyEndpoint
-from gateway.proxy.relay import Outcome, read_raw, relay_stream, relay_whole
+from gateway.proxy.relay import Outcome, open_stream, read_raw, relay_stream, relay_whole
 from gateway.proxy.sse import StreamObserver
 from gateway.proxy.transport import UPSTREAM_HEADERS
-from gateway.proxy.upstream import UpstreamCall, open_upstream
+from gateway.proxy.upstream import Attempt, UpstreamCall, open_upstream
 from .validate import audio_body, validate_utility
 from gateway.proxy.validate import parse_json
 
@@ -143,15 +143,18 @@ class UtilityEndpoint(ProxyEndpoint):
         finally:
             await attempt.close()
 
-    async def _relay(self, ctx: RequestContext, exchange: Exchange, response: Any) -> Outcome:
+    async def _relay(self, ctx: RequestContext, exchange: Exchange, attempt: Attempt) -> Outcome:
         """By what the replica sent: SSE (a streamed transcription), JSON, or a transcript as text."""
         timeouts = self.rt.settings.timeouts
+        response = attempt.response
         media = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media == "text/event-stream":
             # vLLM's transcription chunks end with [DONE] like chat's; nothing is injected or stripped.
+            # Which answer is a stream is the replica's to say, so the first event is awaited here,
+            # after the retry loop: a failure before it is a 502, not retried.
             observer = StreamObserver(self.endpoint, strip_usage_chunk=False)
-            return await relay_stream(response, exchange, observer, first_byte_s=timeouts.first_byte_s,
-                                      stall_s=timeouts.stall_s, started_at=ctx.started)
+            head = await open_stream(response, observer, timeouts.first_byte_s)
+            return await relay_stream(response, head, exchange, stall_s=timeouts.stall_s, started_at=ctx.started)
         if media == "application/json":
             return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s)
         if media in _TEXT_ANSWERS:
