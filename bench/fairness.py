@@ -74,9 +74,9 @@ def tenants(s: Scenario) -> list[dict[str, Any]]:
 ADMIN_TOKEN = "bench-admin"
 
 
-def gateway_sections(s: Scenario, fair: bool, admin_port: int, last_step: bool = False) -> dict[str, Any]:
+def gateway_sections(s: Scenario, fair: bool, admin_port: int, last_step: bool = True) -> dict[str, Any]:
     """The only difference between the modes is the queue switch (the admin API is read for the
-    seats kvgate learned); ``last_step``: ``pool.hand_on_at_last_step`` (off by default)."""
+    seats kvgate learned); ``last_step``: ``pool.hand_on_at_last_step`` (on by default)."""
     return {"tenants": tenants(s), "pool": {"fair_queue": fair, "hand_on_at_last_step": last_step},
             "admin": {"enabled": True, "host": HOST, "port": admin_port, "token": ADMIN_TOKEN}}
 
@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                         "answer and their next question, so their arrivals fall anywhere in a replica's "
                         "step; the other tenant's clients never pause")
     p.add_argument("--flood", type=int, default=10, help="the flood, in multiples of the other's share")
-    p.add_argument("--hand-on-at-last-step", action="store_true",
-                   help="pool.hand_on_at_last_step: true (a slot handed on at an answer's last decode step)")
+    p.add_argument("--no-hand-on-at-last-step", dest="hand_on_at_last_step", action="store_false",
+                   help="pool.hand_on_at_last_step: false (every slot handed on when its stream ends; on by "
+                        "default: a slot handed on at an answer's last decode step)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds measured per phase")
     p.add_argument("--warmup", type=float, default=5.0,
                    help="seconds before each phase is measured: kvgate learns the replicas' seats from the "

