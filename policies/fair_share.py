@@ -62,6 +62,13 @@ class _Use:
         self._prune(now)
         return self.held + len(self.idle)
 
+    def take(self, now: float) -> None:
+        """It took a slot: one it let go, if any is still its own."""
+        self._prune(now)
+        if self.idle:
+            self.idle.popleft()
+        self.held += 1
+
     def expires(self) -> float:
         """When the demand next falls, unless a slot is taken again (``demand`` pruned the idle)."""
         return self.idle[0] + self.lease_s
@@ -74,11 +81,7 @@ class Shares:
     # -- what happened ----------------------------------------------------------------------
     def hold(self, tenant: str, now: float) -> None:
         """A request of ``tenant`` took a slot: one it let go, if any is still its own."""
-        use = self._use.setdefault(tenant, _Use())
-        use._prune(now)
-        if use.idle:
-            use.idle.popleft()
-        use.held += 1
+        self._use.setdefault(tenant, _Use()).take(now)
 
     def release(self, tenant: str, now: float, held_s: float) -> None:
         """A request of ``tenant`` gave its slot back after ``held_s`` seconds."""

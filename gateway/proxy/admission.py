@@ -239,7 +239,7 @@ class Admission:
 
     def _taken(self, r: Replica) -> int:
         """The slots on ``r`` in use: leases not in their last step, and slots handed to waiters."""
-        return r.in_flight - r.ending + self.reserved.get(r, 0)
+        return r.held + self.reserved.get(r, 0)
 
     # -- shares of a full fleet (policies.fair_share) ---------------------------------------
     def _limits(self) -> list[tuple[Replica, float | None]]:

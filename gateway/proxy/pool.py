@@ -65,8 +65,7 @@ class Replica:
     # Of ``in_flight``, leases whose answer is in its last decode step and whose slot was handed
     # on (``admission.Ticket.last_step``): the replica finishes them at that step's end.
     ending: int = 0
-    # The most requests held at once since the last scrape (``apply_vllm_metrics``): ``in_flight``
-    # less ``ending``, what the replica can be holding at a step's end.
+    # The most ``held`` at once since the last scrape (``apply_vllm_metrics``).
     in_flight_peak: int = 0
     # Shared load view, from the replica's own /metrics.
     waiting: float | None = None
@@ -80,6 +79,12 @@ class Replica:
     served: int = 0
     failures: int = 0
     _urls: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
+
+    @property
+    def held(self) -> int:
+        """This instance's requests the replica can be holding at a step's end: ``in_flight`` less
+        those it finishes at the end of the step under way (``ending``)."""
+        return self.in_flight - self.ending
 
     @property
     def seats(self) -> float | None:
@@ -122,9 +127,8 @@ class Lease:
         self._released = False
         self._on_release = on_release
         replica.in_flight += 1
-        held = replica.in_flight - replica.ending
-        if held > replica.in_flight_peak:
-            replica.in_flight_peak = held
+        if replica.held > replica.in_flight_peak:
+            replica.in_flight_peak = replica.held
 
     def release(self) -> None:
         if not self._released:
@@ -439,7 +443,7 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
     # Which of the reported requests were ours (routing.base.load_now).
     replica.in_flight_at_scrape = replica.in_flight
     _learn_seats(replica)
-    replica.in_flight_peak = replica.in_flight - replica.ending  # the next scrape's peak counts from here
+    replica.in_flight_peak = replica.held  # the next scrape's peak counts from here
 
 
 def _learn_seats(replica: Replica) -> None:
