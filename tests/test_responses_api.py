@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import httpx
@@ -255,6 +256,85 @@ def test_replica_dying_mid_stream_ends_with_an_error_event() -> None:
             "a cut stream counts against the replica"
     finally:
         stack.close()
+
+
+NO_BUDGET = {"retry_budget_ratio": 0.0, "retry_budget_min": 0}
+
+
+def _answer_of(stack: Stack, replica: str, prompt: str) -> str:
+    """What ``replica`` answers to ``prompt`` with 4 output tokens (the simulator answers a prompt alike everywhere)."""
+    obj = httpx.post(stack.sim_url(replica) + "/v1/responses", timeout=10, json={
+        "model": MODEL, "input": prompt, "max_output_tokens": 4, "store": False}).json()
+    return str(obj["output"][0]["content"][0]["text"])
+
+
+def _streamed(stack: Stack, prompt: str) -> tuple[str, list[str], str | None, str]:
+    """A stream through kvgate with the SDK: the replica that served it, the event types, the text of
+    the terminal event (None if there was none) and the replica that stored the response its id names."""
+    raw = _client(stack.url, "x").responses.with_raw_response.create(
+        model=MODEL, input=prompt, stream=True, max_output_tokens=4)
+    events = list(raw.parse())
+    ids = {e.response.id for e in events if hasattr(e, "response")}
+    assert len(ids) == 1, "one response, created and ended by one replica"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    end = events[-1]
+    text = end.response.output_text if end.type in ("response.completed", "response.incomplete") else None
+    stored = _client(stack.url, "x").responses.with_raw_response.retrieve(next(iter(ids)))
+    return raw.headers["x-kvgate-replica"], [e.type for e in events], text, stored.headers["x-kvgate-replica"]
+
+
+def test_a_stream_whose_replica_dies_before_its_first_token_is_retried_without_budget() -> None:
+    # vLLM sends response.created and response.in_progress before prefill. kvgate holds them back
+    # until the first event after them, so when r1 dies holding these requests in prefill nothing
+    # has reached a client: each is retried on r2, without budget as r1 is gone, and the client
+    # sees r2's own events from its response.created on, with r2's response id.
+    stack = start_stack(2, routing={"policy": "round_robin"}, pool=NO_BUDGET)
+    try:
+        n = 4
+        prompts = [f"held in prefill {i}" for i in range(n)]
+        expected = [_answer_of(stack, "r2", p) for p in prompts]
+        stack.faults("r1", stall_before_first_token_s=120.0)
+        before = sum(stack.sim_stats(r)["engine_requests"] for r in stack.sims)
+        with ThreadPoolExecutor(n) as clients:
+            answers = [clients.submit(_streamed, stack, p) for p in prompts]
+            assert stack.wait_for(lambda: sum(stack.sim_stats(r)["engine_requests"] for r in stack.sims)
+                                  >= before + n, timeout=60)
+            on_r1 = stack.sim_stats("r1")["engine_requests"]
+            stack.sims["r1"].kill()
+            got = [a.result(timeout=120) for a in answers]
+        for (replica, kinds, text, stored_on), want in zip(got, expected):
+            assert (replica, stored_on, text) == ("r2", "r2", want)
+            assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+            assert kinds[-1] == "response.incomplete" and "error" not in kinds
+        pool = stack.runtime.pool
+        assert on_r1 >= 1 and pool.replicas["r1"].failures >= on_r1
+        assert stack.wait_for(lambda: pool.budget.active_retries == 0 and pool.active_requests == 0
+                              and all(r.in_flight == 0 for r in pool.replicas.values()), timeout=2.0)
+    finally:
+        stack.close()
+
+
+def test_a_stream_dropped_after_its_lifecycle_events_by_a_live_replica_takes_the_retry_budget() -> None:
+    # r1 sends response.created and response.in_progress, then drops the connection. It is alive, so
+    # the retry is an ordinary one: within the budget r2 serves the stream whole, and without budget
+    # the client gets a plain 502, not a stream that starts and fails.
+    prompt = "r1 drops it after response.created"
+    for pool, served in (({}, "r2"), (NO_BUDGET, None)):
+        stack = start_stack(2, routing={"policy": "least_load"}, pool=pool)  # r1 first: ties break by name
+        try:
+            stack.faults("r1", die_after_tokens=0)
+            if served is None:
+                with pytest.raises(openai.InternalServerError) as e:
+                    _streamed(stack, prompt)
+                assert e.value.status_code == 502
+            else:
+                replica, kinds, text, stored_on = _streamed(stack, prompt)
+                assert (replica, stored_on, text) == ("r2", "r2", _answer_of(stack, "r2", prompt))
+                assert kinds[0] == "response.created" and kinds.count("response.created") == 1
+            replicas = stack.runtime.pool.replicas
+            assert replicas["r1"].failures == 1 and replicas["r2"].failures == 0
+        finally:
+            stack.close()
 
 
 def test_prefix_routing_and_usage_feed_metrics() -> None:

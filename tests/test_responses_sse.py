@@ -81,3 +81,17 @@ def test_malformed_event_fails_the_stream() -> None:
     obs = _observer()
     obs.feed(b"event: response.created\ndata: {nope\n\n")
     assert obs.failure == "upstream sent a malformed SSE event"
+
+
+def test_lifecycle_events_are_held_until_the_first_event_after_them() -> None:
+    # The stream's first event is the first after response.created and response.in_progress (sent
+    # before prefill): until then nothing is forwarded, and then the held events go with it, in order.
+    lifecycle = STREAM[:STREAM.index(b"event: response.output_item.added")]
+    obs = _observer()
+    assert obs.feed(lifecycle) == b"" and obs.failure is None
+    rest = STREAM[len(lifecycle):]
+    first = rest[:rest.index(b"\n\n") + 2]
+    assert obs.feed(first) == _client_view(lifecycle + first)
+    bad = _observer()
+    assert bad.feed(lifecycle + b"event: response.output_item.added\ndata: {nope\n\n") == b""
+    assert bad.failure == "upstream sent a malformed SSE event", "a stream bad before it fails whole"

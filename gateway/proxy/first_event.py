@@ -7,6 +7,11 @@ at that event (``relay.relay_stream``). So that failure is retried like one befo
 headers. The wait is part of the retry loop (``upstream.open_upstream``, and through it the
 P/D decode leg), and the relay starts from the event found there (``Head``).
 
+What counts as the first event is the observer's to say: ``feed`` returns nothing until there is
+something to forward. The Responses API's observer holds back the lifecycle events vLLM sends
+before prefill (``response.created``, ``response.in_progress``), so its first event is the first
+after them, and they go out with it (``gateway.apis.responses.sse``).
+
 Nothing beyond the first event is read ahead. The relay gets the event at the moment it
 arrived and forwards it at once, so the client's time to first token is what it was. The
 event is parsed once, by the observer that then reads the rest of the stream. Each attempt
@@ -19,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 
@@ -42,7 +47,8 @@ class Head:
 
     observer: StreamObserver  # the one that read it, and reads the rest
     chunks: AsyncIterator[bytes]  # the rest of the body, from where the first event ended
-    pending: bytes  # what the client gets first: the first event (and any complete ones in its chunk)
+    pending: bytes  # what the client gets first: the first event (with any held before it, and any
+    # complete ones in its chunk)
     at: float  # ``time.perf_counter()`` when it arrived
 
 
@@ -71,12 +77,22 @@ async def read_first_event(response: httpx.Response, observer: StreamObserver, t
     gone) or ``NoFirstEvent``. The caller closes the response on any of them."""
     chunks = response.aiter_raw().__aiter__()
     pending = b""
-    while not pending:
-        chunk = await next_chunk(chunks, timeout_s)
-        if chunk is None:
-            observer.finish()
-            raise NoFirstEvent("replica closed the stream before the first token")
-        pending = observer.feed(chunk)
-        if observer.failure and not pending:
-            raise NoFirstEvent("replica sent an invalid stream")
+    # kvgate's transport: a drop before the first event, after bytes the observer held back, tells
+    # whether the replica is gone too (``transport.ReplicaGone``).
+    stream: Any = response.stream
+    probed = hasattr(stream, "awaiting_first_event")
+    if probed:
+        stream.awaiting_first_event = True
+    try:
+        while not pending:
+            chunk = await next_chunk(chunks, timeout_s)
+            if chunk is None:
+                observer.finish()
+                raise NoFirstEvent("replica closed the stream before the first token")
+            pending = observer.feed(chunk)
+            if observer.failure and not pending:
+                raise NoFirstEvent("replica sent an invalid stream")
+    finally:
+        if probed:
+            stream.awaiting_first_event = False
     return Head(observer, chunks, pending, time.perf_counter())

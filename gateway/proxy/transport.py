@@ -30,10 +30,11 @@ _LOW_WATER = 1 << 16
 
 
 class ReplicaGone(httpx.ReadError):
-    """A replica lost a connection with a request on it, before any byte of its answer, and a new
-    connection to it failed at once: nothing listens there any more (it crashed, was killed or
-    stopped). What it was doing for the request went with it (``upstream.take_retry`` says why that
-    matters). A ``ReadError``: the request was written, and may have arrived before it went."""
+    """A replica lost a connection with a request on it, before any byte of its answer (or before a
+    stream's first event: ``_Body.awaiting_first_event``), and a new connection to it failed at
+    once: nothing listens there any more (it crashed, was killed or stopped). What it was doing for
+    the request went with it (``upstream.take_retry`` says why that matters). A ``ReadError``: the
+    request was written, and may have arrived before it went."""
 
 
 class _Conn(asyncio.Protocol):
@@ -165,22 +166,30 @@ class _Body(httpx.AsyncByteStream):
         self.read_timeout: float | None = timeouts.get("read")
         self.connect_timeout: float | None = timeouts.get("connect")
         self.released = False
+        # Set while a stream's first event is awaited (``first_event.read_first_event``): a drop is
+        # then probed even after some of the body (the Responses API's lifecycle events, held back).
+        self.awaiting_first_event = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         # read_timeout is read on every chunk: the relay shortens it once the first token is in.
         conn = self.conn
-        try:
-            chunk = await conn.next_chunk(self.read_timeout)
-        except httpx.TimeoutException:
-            raise
-        except httpx.HTTPError as e:
-            # Lost after the headers and before any byte of the body (vLLM sends a stream's headers
-            # before its first token): whether the replica is still there, as before the headers.
-            await self.pool.after_drop(self.key, e, self.connect_timeout)
-            raise
-        while chunk is not None:
+        received = False
+        while True:
+            try:
+                chunk = await conn.next_chunk(self.read_timeout)
+            except httpx.TimeoutException:
+                raise
+            except httpx.HTTPError as e:
+                if not received or self.awaiting_first_event:
+                    # Lost after the headers and before any byte of the body or the first event (vLLM
+                    # sends a stream's headers before its first token): whether the replica is still
+                    # there, as before the headers.
+                    await self.pool.after_drop(self.key, e, self.connect_timeout)
+                raise
+            if chunk is None:
+                return
+            received = True
             yield chunk
-            chunk = await conn.next_chunk(self.read_timeout)
 
     async def aclose(self) -> None:
         if self.released:

@@ -160,7 +160,8 @@ class ResponsesEndpoint(ProxyEndpoint):
         if ctx.stream:
             head = await self._head(ctx, attempt)
             outcome = await relay_stream(response, head, exchange, stall_s=timeouts.stall_s, started_at=ctx.started)
-            # The relay times the first event; on this protocol that precedes the first token.
+            # The relay times the first event after the lifecycle ones (``ResponsesObserver``); on this
+            # protocol that may still precede the first token.
             observer = head.observer
             assert isinstance(observer, ResponsesObserver)
             outcome.ttft_s = None if observer.first_delta_at is None else observer.first_delta_at - ctx.started

@@ -10,6 +10,16 @@ usage comes from the terminal event's ``response.usage`` (``input_tokens``,
 short ends with the protocol's own ``error`` event, never an invented
 ``response.completed``.
 
+vLLM sends ``response.created`` and ``response.in_progress`` as soon as it takes
+the request, before prefill: the point where a replica has shown it can answer is
+the first event after them. So the observer holds those lifecycle events back
+(``feed`` returns nothing) and releases them together with the first other event,
+in one piece: that event is the stream's first event (``gateway.proxy.first_event``),
+and a replica that fails while only they are held is retried like one that failed
+before any event, its held events dropped with it. The client's time to first
+token is unchanged: nothing it could have used (no output) is held past the
+moment the first output arrives.
+
 Every forwarded event passes through ``IdRewriter``: the replica's response ids
 (the new one, learned from ``response.created``, and the previous one) become the
 authenticated ids kvgate hands out. A byte replace of the quoted id, not a
@@ -20,7 +30,7 @@ otherwise.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import orjson
@@ -67,6 +77,8 @@ def _quoted(value: str) -> bytes:
 
 
 _TERMINAL = {"response.completed": "stop", "response.incomplete": "length"}
+# What vLLM sends before prefill: held back until the first event after them (``ResponsesObserver.feed``).
+_LIFECYCLE = frozenset({"response.created", "response.in_progress"})
 
 
 @dataclass(slots=True)
@@ -76,9 +88,20 @@ class ResponsesObserver(StreamObserver):
     status: str | None = None
     # vLLM sends response.created before prefill: the first token is the first delta.
     first_delta_at: float | None = None
+    # Whether every event so far is a lifecycle one (``_LIFECYCLE``), and what was held meanwhile
+    # (None once released).
+    lifecycle_only: bool = True
+    _held: bytearray | None = field(default_factory=bytearray)
 
     def feed(self, chunk: bytes) -> bytes:
         out = StreamObserver.feed(self, chunk)
+        if self._held is not None:
+            if self.lifecycle_only:
+                # A stream gone bad here (malformed, oversized) fails whole: nothing of it is forwarded.
+                if self.failure is None:
+                    self._held += out
+                return b""
+            out, self._held = bytes(self._held) + out, None
         return self.rewriter.apply(out) if out and self.rewriter is not None else out
 
     def error_event(self, err: GatewayError) -> bytes:
@@ -91,6 +114,8 @@ class ResponsesObserver(StreamObserver):
         if isinstance(seq, int) and not isinstance(seq, bool):
             self.sequence = seq
         kind = obj.get("type")
+        if kind not in _LIFECYCLE:
+            self.lifecycle_only = False  # a replica's own error event too: the client sees it
         if kind == "response.output_text.delta":
             if self.first_delta_at is None:
                 self.first_delta_at = time.perf_counter()
