@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import httpx
@@ -335,6 +336,61 @@ def test_a_replica_dying_mid_transcription_ends_the_stream_with_an_error_event()
         assert [orjson.loads(e)["choices"][0]["delta"]["content"] for e in events[:2]] == [words[0], " " + words[1]]
         assert len(events) == 3 and "[DONE]" not in events  # partial output, then the error, never a fake end
         assert orjson.loads(events[2])["error"]["type"] == "upstream_error"
+    finally:
+        stack.close()
+
+
+NO_BUDGET = {"retry_budget_ratio": 0.0, "retry_budget_min": 0}
+
+
+def _transcribed(stack: Stack, audio: bytes) -> tuple[str, str]:
+    """A streamed transcription through kvgate with the SDK: the replica that served it, and its text."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0)
+    raw = client.audio.transcriptions.with_raw_response.create(model=MODEL, file=("a.wav", audio, "audio/wav"),
+                                                               stream=True)
+    events = [e.model_dump() for e in raw.parse()]
+    return raw.headers["x-kvgate-replica"], "".join(e["choices"][0]["delta"]["content"] for e in events)
+
+
+def test_a_streamed_transcription_whose_replica_dies_before_its_first_event_is_retried_without_budget() -> None:
+    # r1 (first by load: ties break by name) has sent the stream's headers and is decoding when it dies;
+    # no byte has reached the client. The wait for the first event is part of the retry loop, as on chat:
+    # r2 transcribes it, with a retry budget that allows none, as r1 is gone.
+    stack = start_stack(2, pool=NO_BUDGET)
+    try:
+        audio = wav()
+        stack.faults("r1", stall_before_first_token_s=120.0)
+        with ThreadPoolExecutor(1) as client:
+            answer = client.submit(_transcribed, stack, audio)
+            assert stack.wait_for(lambda: stack.sim_stats("r1")["engine_requests"] == 1, timeout=10)
+            stack.sims["r1"].kill()
+            assert answer.result(timeout=60) == ("r2", " ".join(transcript(audio)))
+        pool = stack.runtime.pool
+        assert pool.replicas["r1"].failures >= 1 and pool.replicas["r2"].failures == 0
+        assert pool.budget.active_retries == 0
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("pool", [{}, NO_BUDGET], ids=["budget", "no_budget"])
+@pytest.mark.parametrize("fault", [{"die_after_tokens": 0}, {"html_200": True}], ids=["ended", "html"])
+def test_a_streamed_transcription_failing_before_its_first_event_on_a_live_replica_takes_the_retry_budget(
+        pool: dict[str, float], fault: dict[str, object]) -> None:
+    # r1 answers 200 and ends the stream before any event, or sends a page that is no event stream (an
+    # ingress answering for it). It is alive, so the retry is an ordinary one: within the budget r2
+    # transcribes it, and without budget the client gets a plain 502.
+    stack = start_stack(2, pool=pool)
+    try:
+        audio = wav()
+        stack.faults("r1", **fault)
+        if pool:
+            with pytest.raises(openai.InternalServerError) as e:
+                _transcribed(stack, audio)
+            assert e.value.status_code == 502
+        else:
+            assert _transcribed(stack, audio) == ("r2", " ".join(transcript(audio)))
+        replicas = stack.runtime.pool.replicas
+        assert replicas["r1"].failures == 1 and replicas["r2"].failures == 0
     finally:
         stack.close()
 

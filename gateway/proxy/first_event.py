@@ -30,7 +30,7 @@ import httpx
 
 from .sse import StreamObserver
 
-__all__ = ["FirstEvent", "Head", "NoFirstEvent", "next_chunk", "read_first_event"]
+__all__ = ["FirstEvent", "Head", "NoFirstEvent", "media_type", "next_chunk", "read_first_event"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,17 @@ class FirstEvent:
 
     observer: Callable[[str], StreamObserver]  # a fresh observer for an attempt on the replica named
     timeout_s: float  # the wait for each chunk until the first event (``timeouts.first_byte_s``)
+    # Content types of a 200 that is not a stream, relayed as it comes (a transcription's: whether it
+    # streams is the replica's to say). Any other 200 is read as an event stream.
+    whole: frozenset[str] = frozenset()
+
+    def awaited(self, response: httpx.Response) -> bool:
+        """Whether ``response`` is one whose first event is awaited: a 200 that is not ``whole``."""
+        if response.status_code != 200:
+            return False
+        if not self.whole:
+            return True
+        return media_type(response) not in self.whole
 
 
 @dataclass(slots=True)
@@ -50,6 +61,11 @@ class Head:
     pending: bytes  # what the client gets first: the first event (with any held before it, and any
     # complete ones in its chunk)
     at: float  # ``time.perf_counter()`` when it arrived
+
+
+def media_type(response: httpx.Response) -> str:
+    """The response's content type without its parameters, lower case."""
+    return response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
 class NoFirstEvent(Exception):

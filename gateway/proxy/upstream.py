@@ -236,7 +236,7 @@ async def _attempts(
                 # (A call sent once carries another replica's work: its caller says whose failure it is.)
                 pool.record_failure(replica, f"http_{response.status_code}")
             head = None
-            if call.first is not None and response.status_code == 200:
+            if call.first is not None and call.first.awaited(response):
                 try:
                     head = await read_first_event(response, call.first.observer(replica.name), call.first.timeout_s)
                 except BaseException as e:

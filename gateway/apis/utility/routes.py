@@ -28,6 +28,7 @@ Memory stays bounded by the same limit as every JSON body.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import httpx
@@ -40,7 +41,8 @@ from gateway.proxy.asgi_io import Exchange, Receive, Scope, read_body
 from gateway.proxy.context import RequestContext
 from gateway.errors import BadRequest, UpstreamError
 from gateway.proxy.endpoint import ProxyEndpoint
-from gateway.proxy.relay import Outcome, open_stream, read_raw, relay_stream, relay_whole
+from gateway.proxy.first_event import FirstEvent, media_type
+from gateway.proxy.relay import Outcome, read_raw, relay_stream, relay_whole
 from gateway.proxy.sse import StreamObserver
 from gateway.proxy.transport import UPSTREAM_HEADERS
 from gateway.proxy.upstream import Attempt, UpstreamCall, open_upstream
@@ -70,6 +72,8 @@ _AUDIO = frozenset({"transcriptions", "translations"})
 # The transcript formats OpenAI's audio API answers as text (response_format text, srt, vtt);
 # vLLM 0.33 answers text as JSON and refuses srt/vtt, but a newer one or another server may not.
 _TEXT_ANSWERS = frozenset({"text/plain", "text/vtt", "text/srt", "application/x-subrip"})
+# What a replica may answer a streamed transcription with instead of a stream: relayed whole.
+_WHOLE = frozenset({"application/json"}) | _TEXT_ANSWERS
 _BY_LOAD = LeastLoad()
 
 
@@ -131,6 +135,10 @@ class UtilityEndpoint(ProxyEndpoint):
             connect_timeout_s=timeouts.connect_s, max_attempts=rt.settings.pool.max_attempts,
             # A JSON body only: a multipart form is forwarded as the client's bytes.
             priority=stages.vllm_priority(ctx) if ctx.content_type == "application/json" else 0,
+            # A streamed transcription is open at its first event, as chat's (first_event): a replica
+            # failing before it is retried. Unless the replica answers it whole, which is its to say.
+            first=FirstEvent(partial(self._stream_observer, ctx), timeouts.first_byte_s, _WHOLE)
+            if ctx.stream else None,
         )
         route = RouteRequest(ctx.endpoint, ctx.model, ctx.tenant.namespace, ctx.body)
         stages.claim_slot(rt, ctx, ctx.payload)
@@ -143,17 +151,19 @@ class UtilityEndpoint(ProxyEndpoint):
         finally:
             await attempt.close()
 
+    def _observer(self, ctx: RequestContext, replica: str) -> StreamObserver:
+        # vLLM's transcription chunks end with [DONE] like chat's; nothing is injected or stripped.
+        return StreamObserver(self.endpoint, strip_usage_chunk=False)
+
     async def _relay(self, ctx: RequestContext, exchange: Exchange, attempt: Attempt) -> Outcome:
         """By what the replica sent: SSE (a streamed transcription), JSON, or a transcript as text."""
         timeouts = self.rt.settings.timeouts
         response = attempt.response
-        media = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media == "text/event-stream":
-            # vLLM's transcription chunks end with [DONE] like chat's; nothing is injected or stripped.
-            # Which answer is a stream is the replica's to say, so the first event is awaited here,
-            # after the retry loop: a failure before it is a 502, not retried.
-            observer = StreamObserver(self.endpoint, strip_usage_chunk=False)
-            head = await open_stream(response, observer, timeouts.first_byte_s)
+        media = media_type(response)
+        if attempt.head is not None or media == "text/event-stream":
+            # A stream's first event is in hand (``UpstreamCall.first``), or, for an answer streamed
+            # unasked, read here (``_head``).
+            head = await self._head(ctx, attempt)
             return await relay_stream(response, head, exchange, stall_s=timeouts.stall_s, started_at=ctx.started)
         if media == "application/json":
             return await relay_whole(response, exchange, endpoint=self.endpoint, timeout_s=timeouts.non_stream_s)
