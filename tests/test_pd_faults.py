@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.pd_sims import PDSim, chat, reference_sim
 from tests.support.pd_stack import PDStack
@@ -267,3 +268,48 @@ def test_a_decode_stream_dropped_after_its_headers_by_a_live_replica_is_prefille
     pool = fleet.runtime.pool
     assert pool.replicas["d1"].failures == retries and all(pool.replicas[p].failures == 0 for p in PREFILLS)
     assert pool.budget.active_retries == 0
+
+
+def _decode_legs(stack: PDStack) -> dict[tuple[str, str], float]:
+    """kvgate_pd_legs_total for the decode role, by (replica, outcome), as /metrics shows it."""
+    legs: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(stack.url + "/metrics", timeout=5).text):
+        for sample in family.samples:
+            if sample.name == "kvgate_pd_legs_total" and sample.labels["role"] == "decode":
+                legs[sample.labels["replica"], sample.labels["outcome"]] = sample.value
+    return legs
+
+
+def test_a_decode_stream_without_a_first_event_in_time_is_a_504_and_a_failed_leg() -> None:
+    # d1 pulls the params' blocks, sends its stream's headers and no event within first_byte_s: the
+    # client's 504, not retried (d1 may be working on it), and in /metrics a decode leg that failed.
+    stack = PDStack({"p1": "prefill", "d1": "decode", "d2": "decode"}, routing={"disaggregation": "always"},
+                    timeouts={"first_byte_s": 0.5}, pool={"eject_consecutive_failures": 100})
+    try:
+        stack.faults("d1", stall_before_first_token_s=3.0)
+        stack.faults("d2", stall_before_first_token_s=3.0)
+        r = httpx.post(stack.base_url + "/chat/completions", timeout=10, json={
+            "model": MODEL, "messages": chat("no first event in time"), "max_tokens": 8, "stream": True})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        legs = _decode_legs(stack)
+        assert sum(n for (_, outcome), n in legs.items() if outcome == "failed") == 1
+        assert sum(n for (_, outcome), n in legs.items() if outcome == "ok") == 0
+        assert stack.runtime.disagg.fallbacks["decode", "retry"] == 0
+    finally:
+        stack.close()
+
+
+def test_a_decode_leg_dropped_on_its_last_try_is_a_failed_leg() -> None:
+    # Both decode replicas answer 200 and drop the stream before any event: the first drop is retried
+    # on the other (prefilled again), the second is the client's 502. Both legs failed.
+    stack = PDStack(ROLES, routing={"disaggregation": "always"}, pool={"eject_consecutive_failures": 100})
+    try:
+        for name in DECODES:
+            stack.faults(name, die_after_tokens=0)
+        r = httpx.post(stack.base_url + "/chat/completions", timeout=10, json={
+            "model": MODEL, "messages": chat("every decode leg drops"), "max_tokens": 8, "stream": True})
+        assert r.status_code == 502
+        assert _decode_legs(stack) == {("d1", "failed"): 1.0, ("d2", "failed"): 1.0}
+        assert stack.runtime.disagg.fallbacks["decode", "retry"] == 1
+    finally:
+        stack.close()

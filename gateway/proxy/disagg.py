@@ -31,8 +31,10 @@ replaced by another decode replica, prefilled again on another prefill replica,
 within the pool's retry budget, unless it is gone (it dropped the connection and
 refused a new one: ``upstream.take_retry``, once per request). A streamed decode
 leg fails "before its first byte" until its first event is in hand, after its
-headers too (``upstream.UpstreamCall.first``). Once the client has seen a byte,
-nothing is retried (the relay's rules).
+headers too (``upstream.UpstreamCall.first``). A decode leg that sends no answer,
+or no first event, in time is the client's 504, not retried (the replica may be
+working on it), and a failed leg. Once the client has seen a byte, nothing is
+retried (the relay's rules).
 When no replica has a P/D role none of this runs: the endpoint's only cost is a
 scan of the replicas' roles (``ReplicaPool.disaggregated``).
 
@@ -58,7 +60,7 @@ from routing.disagg import Decision, Terms, decide
 from gateway.errors import GatewayError, NoReplica, UpstreamError, UpstreamTimeout
 from .relay import read_whole
 from .sse import Usage
-from .upstream import Attempt, SentAndDropped, UpstreamCall, open_upstream, read_error_body, take_retry
+from .upstream import Attempt, SentAndDropped, TimedOut, UpstreamCall, open_upstream, read_error_body, take_retry
 
 if TYPE_CHECKING:
     from .context import RequestContext
@@ -256,7 +258,13 @@ class Disagg:
                     if params is not None:
                         decode_call = _replace_payload(call, with_params(call.payload, params))
                         record.pulled = _pulled(terms, params)
-                outcome = await self._decode(ctx, route, call, decode_call, tried, last=attempt_no == 1)
+                try:
+                    outcome = await self._decode(ctx, route, call, decode_call, tried, last=attempt_no == 1)
+                except TimedOut as timed_out:
+                    # No answer, or no first event, in time (the leg, or its local prefill): the
+                    # client's 504, never retried, and a failed leg.
+                    self._leg("decode", timed_out.replica, False)
+                    raise
                 if isinstance(outcome, Attempt):
                     outcome.budget_held, budget = outcome.budget_held + budget, 0
                     return outcome
@@ -288,9 +296,9 @@ class Disagg:
             # first event: ``UpstreamCall.first``): it may have pulled the blocks, and the prefill
             # replica frees what was read. Never send them again:
             # another decode replica, prefilled again, as after a 5xx.
+            self._leg("decode", dropped.replica, False)
             if last:
                 raise
-            self._leg("decode", dropped.replica, False)
             rt.policy.observe(route, RouteFeedback(dropped.replica, None, None, False))
             return dropped.replica, dropped
         status = attempt.response.status_code

@@ -55,6 +55,16 @@ class SentAndDropped(UpstreamError):
         self.gone = gone  # and no new connection to it could be made (``_GONE``)
 
 
+class TimedOut(UpstreamTimeout):
+    """A replica sent no response, or no first event of its stream, in time. Not retried (it may be
+    working on the request: never duplicate generation); the replica is named for a caller that
+    counts its legs (gateway.proxy.disagg)."""
+
+    def __init__(self, replica: str, message: str) -> None:
+        super().__init__(message)
+        self.replica = replica
+
+
 @dataclass
 class Attempt:
     response: httpx.Response
@@ -212,7 +222,7 @@ async def _attempts(
                     last_error = UpstreamError(f"replica {replica.name} did not accept the connection")
                     continue
                 # It may be working on the request: never duplicate generation.
-                raise UpstreamTimeout(f"replica {replica.name} sent no response in time") from None
+                raise TimedOut(replica.name, f"replica {replica.name} sent no response in time") from None
             except _CONNECT_ERRORS as e:
                 lease.release()
                 pool.record_failure(replica, "connect")
@@ -279,7 +289,7 @@ def _no_first_event(pool: ReplicaPool, replica: Replica, call: UpstreamCall, exc
         raise exc  # cancelled (the client went away), or a bug: not the replica's failure
     pool.record_failure(replica)
     if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
-        raise UpstreamTimeout("replica produced no first token in time") from None
+        raise TimedOut(replica.name, "replica produced no first token in time") from None
     if call.once:
         raise SentAndDropped(replica.name, isinstance(exc, _GONE), "failed before its first token") from None
     return UpstreamError(f"replica {replica.name} failed before the first token")
