@@ -1,7 +1,7 @@
 """Do independent gateway instances agree on a request's home? The diagnosis of ``ttft``'s scale-out.
 
-    .venv/bin/python -m bench.routing_homes                       # 5 suite families, seed 2, 4 instances
-    .venv/bin/python -m bench.routing_homes --families layered-4orgs-closed8 --seeds 1 2 3
+    KVGATE_INTERPRETED=1 .venv/bin/python -m bench.routing_homes      # 5 suite families, seed 2, 4 instances
+    KVGATE_INTERPRETED=1 .venv/bin/python -m bench.routing_homes --families layered-4orgs-closed8 --seeds 1 2 3
 
 With several instances, ``ttft`` presumes a request's context at its *home*:
 the first choice of its anchor, the shallowest prefix that is not wide
@@ -40,6 +40,7 @@ from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 import routing.ttft_affinity as ttft_module
+from routing._native import compiled
 from routing.base import ReplicaView, RouteRequest
 from routing.settings import RoutingSettings
 from routing.ttft_affinity import TTFTAffinity
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[2])
     p.add_argument("--instances", type=int, default=4)
     args = p.parse_args(argv)
+    if compiled():
+        # The oracle rows replace a module function, which compiled callers would not see.
+        p.error("run interpreted: KVGATE_INTERPRETED=1 python -m bench.routing_homes")
     print("| family | seed | row | hit | TTFT p50 | TTFT p95 | homes agree |")
     print("|---|---|---|---|---|---|---|")
     agree: dict[str, list[float]] = {}
