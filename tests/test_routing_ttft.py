@@ -243,6 +243,24 @@ def test_instances_sharing_nothing_agree_on_an_organisations_home() -> None:
     assert len({next(iter(names)) for names in homes.values()}) > 1, homes
 
 
+def test_home_names_the_presumed_replica_and_learns_nothing() -> None:
+    # bench.routing_homes asks every instance where it would presume a request's context; asking
+    # must not count the request: two hundred peeks at one organisation would make it wide.
+    replicas = rated(8)
+    for r in replicas:
+        r.running, r.waiting = 1.0, 0.0
+    policy = TTFTAffinity()
+    for i in range(96):
+        served(policy, layered(i % 24, i, i), replicas)
+    request = layered(3, 5000, 0)
+    home = policy.home(request, replicas)
+    for i in range(200):
+        policy.home(layered(3, 5001 + i, 0), replicas)
+    again = layered(3, 5000, 0)  # the same request, without what the first call kept in its scratch
+    assert policy.home(again, replicas) == home
+    assert policy.prefer(again, replicas)[0].name == home
+
+
 def _hold_learned(policy: TTFTAffinity, clock: Clock, replicas: list[View], seconds: float) -> None:
     """Streams that held their seat ``seconds`` from first token to end (what ``hold`` learns)."""
     for i in range(8):
