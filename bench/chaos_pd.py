@@ -42,7 +42,12 @@ ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
 # has read them are reused within a second, as on a busy prefill instance, so a decode that
 # reads them again (a retry with the same params) gets a wrong answer, as from vLLM.
 PD_SIM_FLAGS = {**SIM_FLAGS, "kv_blocks": 128}
-PD_GATEWAY: dict[str, Any] = {**GATEWAY, "routing": {"share_index": True, "disaggregation": "always"}}
+# No P/D scenario is about a slow replica (``bench.chaos`` has those), so the first byte and event
+# get the time a busy machine needs: a decode leg whose pull is refused prefills locally (that is
+# ``transfer_refused``'s path), and with the suite's other servers on both cores its first byte
+# could miss chaos's 1 s, a 504 that no fault of the scenario caused (seen in two full runs).
+PD_GATEWAY: dict[str, Any] = {**GATEWAY, "routing": {"share_index": True, "disaggregation": "always"},
+                              "timeouts": {**GATEWAY["timeouts"], "first_byte_s": 5.0, "stall_s": 5.0}}
 
 
 def start_pd_fleet() -> Fleet:

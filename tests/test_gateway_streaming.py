@@ -284,3 +284,26 @@ def test_a_stream_failing_after_its_headers_on_a_live_replica_takes_the_retry_bu
             assert stack.wait_for(partial(_settled, stack.runtime.pool), timeout=2.0)
         finally:
             stack.close()
+
+
+def test_an_answer_read_whole_that_is_not_json_is_retried_within_the_budget() -> None:
+    # r1 answers a request that is not streamed with a 200 page (an ingress in its place). Nothing
+    # reached the client, so within the budget it goes to r2; without budget the client gets a 502.
+    prompt = [{"role": "user", "content": "r1 answers a page"}]
+    for pool, served in (({}, (200, "r2")), (NO_BUDGET, (502, ""))):
+        stack = start_stack(2, routing={"policy": "least_load"}, pool=pool)  # r1 first: ties break by name
+        try:
+            stack.faults("r1", html_200=True)
+            body = {"model": MODEL, "max_tokens": 4, "messages": prompt}
+            expected = httpx.post(stack.sim_url("r2") + "/v1/chat/completions", timeout=10, json=body).json()
+            r = httpx.post(stack.base_url + "/chat/completions", timeout=30, json=body)
+            assert (r.status_code, r.headers.get("x-kvgate-replica", "")) == served
+            if r.status_code == 200:
+                got = r.json()["choices"][0]["message"]["content"]
+                assert got == expected["choices"][0]["message"]["content"]
+            else:
+                assert r.json()["error"]["type"]  # OpenAI's error shape, not the page
+            replicas = stack.runtime.pool.replicas
+            assert replicas["r1"].failures == 1 and replicas["r2"].failures == 0
+        finally:
+            stack.close()

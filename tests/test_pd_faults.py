@@ -270,6 +270,26 @@ def test_a_decode_stream_dropped_after_its_headers_by_a_live_replica_is_prefille
     assert pool.budget.active_retries == 0
 
 
+def test_a_decode_answer_read_whole_that_is_not_json_is_prefilled_again(fleet: PDStack, ref: PDSim) -> None:
+    # d1 answers a decode leg that is not streamed with a 200 page (an ingress in its place). The leg
+    # carried a prefill replica's params, which are never sent twice: another decode replica, prefilled
+    # again, and the failure is d1's.
+    fleet.faults("d1", html_200=True)
+    disagg = fleet.runtime.disagg
+    for asked in range(1, TRIES + 1):
+        messages = chat(f"d1 answers pages {asked}")
+        assert ask(fleet, messages, stream=False) == expected(ref, messages)
+        if disagg.fallbacks["decode", "retry"] >= 1:
+            break
+    else:
+        raise AssertionError(f"d1 was never sent a decode leg in {TRIES} requests")
+    retries = disagg.fallbacks["decode", "retry"]
+    assert pd(fleet, PREFILLS, "remote_prefills") == asked + retries
+    assert pd(fleet, ("d2",), "transfers") == asked
+    pool = fleet.runtime.pool
+    assert pool.replicas["d1"].failures == retries and all(pool.replicas[p].failures == 0 for p in PREFILLS)
+
+
 def _decode_legs(stack: PDStack) -> dict[tuple[str, str], float]:
     """kvgate_pd_legs_total for the decode role, by (replica, outcome), as /metrics shows it."""
     legs: dict[tuple[str, str], float] = {}

@@ -142,6 +142,7 @@ class ProxyEndpoint:
             priority=stages.vllm_priority(ctx),
             # A stream is open at its first event: a replica failing before it is retried (first_event).
             first=FirstEvent(partial(self._stream_observer, ctx), timeouts.first_byte_s) if ctx.stream else None,
+            json=not ctx.stream,
         )
         stages.claim_slot(rt, ctx, call.payload, route.token_ids)
         stages.place_round_robin(rt, ctx, route)

@@ -27,7 +27,7 @@ from routing import RouteRequest, RoutingPolicy
 
 from gateway.errors import BadRequest, GatewayError, NoReplica, NotFound, RateLimited, UpstreamError, UpstreamTimeout
 from .admission import Ticket
-from .first_event import FirstEvent, Head, NoFirstEvent, read_first_event
+from .first_event import FirstEvent, Head, NoFirstEvent, media_type, read_first_event
 from .pool import Lease, Replica, ReplicaPool
 from .transport import ReplicaGone
 
@@ -123,6 +123,9 @@ class UpstreamCall:
     # a stream's before its first token), so a replica failing in between is retried like one that
     # failed before them (``first_event``). None: open at the headers.
     first: FirstEvent | None = None
+    # An answer read whole, which a replica sends as JSON: a 200 that is not JSON (an ingress's
+    # page in its place) is a failure before any byte reached the client, retried like a 5xx.
+    json: bool = False
 
     def payload_for(self, replica: Replica) -> bytes:
         if not self.priority or replica.scheduling_policy != "priority":
@@ -245,6 +248,15 @@ async def _attempts(
             if response.status_code >= 500 and not call.once:
                 # (A call sent once carries another replica's work: its caller says whose failure it is.)
                 pool.record_failure(replica, f"http_{response.status_code}")
+            if call.json and response.status_code == 200 and media_type(response) != "application/json":
+                pool.record_failure(replica, "not_json")
+                await response.aclose()
+                lease.release()
+                if call.once:
+                    # Carrying another replica's params: they are never sent again (its caller decides).
+                    raise SentAndDropped(replica.name, False, "answered 200 without JSON")
+                last_error = UpstreamError(f"replica {replica.name} answered 200 without JSON")
+                continue
             head = None
             if call.first is not None and call.first.awaited(response):
                 try:
