@@ -312,7 +312,7 @@ async def kill_busiest(ctx: Ctx, role: str | None = None) -> None:
     killed then, it cuts no stream, and the scenario exercises nothing.)"""
     await ctx.at(min(1.0, 0.3 * ctx.duration))
     until = ctx.t0 + 0.55 * ctx.duration
-    streamed: set[str] = set()  # replicas with requests running at the last poll
+    streamed: set[str] = set()  # replicas with requests running when last polled
     while True:
         name, inflight = await _busiest(ctx, until=until, role=role)
         r = await ctx.control.get(ctx.fleet.sim(name).url + "/sim/stats")
@@ -322,7 +322,9 @@ async def kill_busiest(ctx: Ctx, role: str | None = None) -> None:
         if time.monotonic() >= until:
             ctx.tally.notes.append(f"no replica streamed by {0.55 * ctx.duration:.1f} s: {name} killed anyway")
             break
-        streamed = {name} if running else set()
+        # Kept across polls where another replica was the busiest: on a loaded machine the busiest
+        # changes between polls, and a replica running at two of them has still sent tokens.
+        streamed = streamed | {name} if running else streamed - {name}
         await asyncio.sleep(0.05)
     sim = ctx.fleet.sim(name)
     sim.kill()
