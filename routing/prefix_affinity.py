@@ -36,8 +36,8 @@ KV router asks the same.)
   replica decodes nothing, and the legs in flight there are prefill work that
   ``queued`` already counts, token for token (Dynamo's prefill workers carry
   no ``decode_blocks`` either). Counted again as decode load, a typical
-  request each, they sent a leg to a cold replica beside a warm one that had
-  a few finished prefills still in flight (docs/disaggregation.md).
+  request each, they sent legs to a cold replica beside a warm one with a few
+  legs in flight (docs/disaggregation.md, "The prefill pick").
 
 **The bound** (consistent hashing with bounded loads, Mirrokni, Thorup and
 Zadimoghaddam): a replica takes the request only if its in-flight count stays
