@@ -92,12 +92,16 @@ class RouteRequest:
     token_ids: list[int] | None = None
     # Filled in lazily by prefix policies; cached here so hashing happens once.
     scratch: dict[str, Any] = field(default_factory=dict)
+    # A P/D prefill leg (``leg``): the replica computes the prompt and one token, and a decode
+    # replica does the rest. Nothing decodes beside it there, so a policy prices no decode load.
+    prefill_only: bool = False
 
     def leg(self) -> "RouteRequest":
-        """The same request for another leg of it (a P/D prefill leg): what was computed about the
-        request is shared, so it is hashed once; the placement marks are each leg's own."""
+        """The same request for its P/D prefill leg: what was computed about the request is shared,
+        so it is hashed once; the placement marks are each leg's own."""
         return RouteRequest(self.endpoint, self.model, self.namespace, self.body, self.boundary_hint,
-                            self.token_ids, {k: v for k, v in self.scratch.items() if k not in PLACEMENT_KEYS})
+                            self.token_ids, {k: v for k, v in self.scratch.items() if k not in PLACEMENT_KEYS},
+                            prefill_only=True)
 
     def adopt(self, other: "RouteRequest") -> None:
         """Take what ``other``, a leg of this request, computed about it (not its placement)."""

@@ -32,6 +32,12 @@ KV router asks the same.)
   decoding, keeping room at busy replicas for the turns of the conversations
   they hold. Where most of each prompt is warm (organisations' shared
   layers), ``typical`` is small and the term barely moves anything.
+  A P/D prefill leg (``RouteRequest.prefill_only``) has no second part: its
+  replica decodes nothing, and the legs in flight there are prefill work that
+  ``queued`` already counts, token for token (Dynamo's prefill workers carry
+  no ``decode_blocks`` either). Counted again as decode load, a typical
+  request each, they sent legs to a cold replica beside a warm one with a few
+  legs in flight (docs/disaggregation.md, "The prefill pick").
 
 **The bound** (consistent hashing with bounded loads, Mirrokni, Thorup and
 Zadimoghaddam): a replica takes the request only if its in-flight count stays
@@ -220,9 +226,12 @@ class PrefixAffinity:
         fits = within_bound(now, [r.weight for r in order], self.settings.epsilon)
         keys = self._keys(request)
         precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
-        # Decode load: every request in flight weighs a typical request of ours (module doc).
+        # Decode load: every request in flight weighs a typical request of ours (module doc);
+        # none beside a P/D prefill leg, which its replica does not decode.
         typical = self._typical(info, request)
-        cost, uncached, depths = self._work(info, route, order, precise, request, now, waiting, share, typical)
+        decoding = 0.0 if request.prefill_only else typical
+        cost, uncached, depths = self._work(info, route, order, precise, request, now, waiting, share, typical,
+                                            decoding)
         # Of equal waits, the one adding less work to the fleet; then the rendezvous order.
         ranked = sorted([(cost[i], uncached[i], i) for i in range(len(order)) if fits[i]])
         picks = [t[2] for t in ranked]
@@ -233,7 +242,8 @@ class PrefixAffinity:
             prompt = max(uncached) if uncached else 0.0
             rows.extend({"replica": order[i].name, "cost": cost[i], "uncached": uncached[i],
                          "held": prompt - uncached[i] if prompt else 0.0, "in_flight": now[i],
-                         "typical": typical, "home": i == 0, "rail": None if fits[i] else "bound"}
+                         "typical": typical, "decode_weight": decoding, "home": i == 0,
+                         "rail": None if fits[i] else "bound"}
                         for i in picks)
         if learn:
             if refused and not fits[min(range(len(order)), key=lambda i: (cost[i], uncached[i], i))]:
@@ -260,7 +270,7 @@ class PrefixAffinity:
 
     def _work(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], precise: dict[str, float],
               request: RouteRequest, now: list[float], waiting: list[float], others: float,
-              typical: float) -> tuple[list[float], list[float], dict[int, int]]:
+              typical: float, decoding: float) -> tuple[list[float], list[float], dict[int, int]]:
         """Per replica, in prompt tokens: the cost, and the request's own prefill there; and the
         index's depths (blocks held, by replica bit) they were read from."""
         prompt = len(info.rendered.data)
@@ -322,7 +332,7 @@ class PrefixAffinity:
         # decodes around, that extra prefill step.
         least = min(uncached)
         # Then its own prefill, and the decode load (module doc): the cost.
-        cost = [a + load * (u - least) + u + load * typical for a, u, load in zip(ahead, uncached, now)]
+        cost = [a + load * (u - least) + u + load * decoding for a, u, load in zip(ahead, uncached, now)]
         return cost, uncached, depths
 
     def _commit(self, request: RouteRequest, info: PrefixInfo, route: RouteKey, chosen: ReplicaView,
