@@ -55,11 +55,12 @@ def fleet() -> Iterator[PDStack]:
     s.close()
 
 
-def until(stack: PDStack, ref: PDSim, tag: str, done: Any) -> int:
-    """Ask distinct questions until ``done()``; every answer must be right. The number asked."""
+def until(stack: PDStack, ref: PDSim, tag: str, done: Any, stream: bool | None = None) -> int:
+    """Ask distinct questions until ``done()``; every answer must be right. The number asked.
+    ``stream``: every question streamed or not (None: every other one)."""
     for i in range(TRIES):
         messages = chat(f"{tag} {i}")
-        assert ask(stack, messages, stream=i % 2 == 0) == expected(ref, messages)
+        assert ask(stack, messages, stream=i % 2 == 0 if stream is None else stream) == expected(ref, messages)
         if done():
             return i + 1
     raise AssertionError(f"{tag}: the fault's path was never taken in {TRIES} requests")
@@ -255,13 +256,7 @@ def test_a_decode_stream_dropped_after_its_headers_by_a_live_replica_is_prefille
     # the blocks, which the prefill replica then frees. The failure is d1's, not the prefill replica's.
     fleet.faults("d1", die_after_tokens=0)
     disagg = fleet.runtime.disagg
-    for asked in range(1, TRIES + 1):
-        messages = chat(f"d1 drops streams {asked}")
-        assert ask(fleet, messages, stream=True) == expected(ref, messages)
-        if disagg.fallbacks["decode", "retry"] >= 1:
-            break
-    else:
-        raise AssertionError(f"d1 was never sent a decode leg in {TRIES} requests")
+    asked = until(fleet, ref, "d1 drops streams", lambda: disagg.fallbacks["decode", "retry"] >= 1, stream=True)
     retries = disagg.fallbacks["decode", "retry"]
     assert pd(fleet, PREFILLS, "remote_prefills") == asked + retries
     assert pd(fleet, ("d2",), "transfers") == asked and pd(fleet, ("d1",), "transfers") == retries
@@ -276,13 +271,7 @@ def test_a_decode_answer_read_whole_that_is_not_json_is_prefilled_again(fleet: P
     # again, and the failure is d1's.
     fleet.faults("d1", html_200=True)
     disagg = fleet.runtime.disagg
-    for asked in range(1, TRIES + 1):
-        messages = chat(f"d1 answers pages {asked}")
-        assert ask(fleet, messages, stream=False) == expected(ref, messages)
-        if disagg.fallbacks["decode", "retry"] >= 1:
-            break
-    else:
-        raise AssertionError(f"d1 was never sent a decode leg in {TRIES} requests")
+    asked = until(fleet, ref, "d1 answers pages", lambda: disagg.fallbacks["decode", "retry"] >= 1, stream=False)
     retries = disagg.fallbacks["decode", "retry"]
     assert pd(fleet, PREFILLS, "remote_prefills") == asked + retries
     assert pd(fleet, ("d2",), "transfers") == asked
