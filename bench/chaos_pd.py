@@ -47,7 +47,7 @@ PD_SIM_FLAGS = {**SIM_FLAGS, "kv_blocks": 128}
 # ``transfer_refused``'s path), and with the suite's other servers on both cores its first byte
 # could miss chaos's 1 s, a 504 that no fault of the scenario caused (seen in two full runs).
 PD_GATEWAY: dict[str, Any] = {**GATEWAY, "routing": {"share_index": True, "disaggregation": "always"},
-                              "timeouts": {**GATEWAY["timeouts"], "first_byte_s": 5.0, "stall_s": 5.0}}
+                              "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "stall_s": 5.0, "non_stream_s": 5.0}}
 
 
 def start_pd_fleet() -> Fleet:
