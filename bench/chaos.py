@@ -327,17 +327,16 @@ async def kill_busiest(ctx: Ctx, role: str | None = None) -> None:
     until = ctx.t0 + 0.55 * ctx.duration
     names = [s.name for s in ctx.fleet.sims if s.alive and role in (None, s.flags.get("role"))]
     # A prefill replica streams nothing to clients (its legs are cut instead): the busiest, once it has some.
-    while role != "prefill":
-        name = max(names, key=lambda n: STREAMING[n])
-        if STREAMING[name] > 0:
-            break
-        if time.monotonic() >= until:
-            name, _ = await _busiest(ctx, until=until, role=role)
+    name = "" if role != "prefill" else (await _busiest(ctx, until=until, role=role))[0]
+    while not name:
+        best = max(names, key=lambda n: STREAMING[n])
+        if STREAMING[best] > 0:
+            name = best
+        elif time.monotonic() >= until:
+            name = (await _busiest(ctx, until=until, role=role))[0]
             ctx.tally.notes.append(f"no stream had tokens by {0.55 * ctx.duration:.1f} s: {name} killed anyway")
-            break
-        await asyncio.sleep(0.01)
-    else:
-        name, _ = await _busiest(ctx, until=until, role=role)
+        else:
+            await asyncio.sleep(0.01)
     inflight = (await ctx.metrics()).get(f'kvgate_replica_in_flight{{replica="{name}"}}', 0.0)
     sim = ctx.fleet.sim(name)
     sim.kill()

@@ -252,10 +252,8 @@ class TTFTAffinity:
         """The replica this instance would presume holds the request's context where no replica is
         known to (the anchor's first choice), without learning anything. Instances that name
         different homes for the same request split its context (``bench.routing_homes``)."""
-        n = len(replicas)
-        route = self.keyer.key_for(request, n, learn=False)
-        anchor = self.anchors.key_for(request, n, learn=False)
-        return self._orders.order(anchor.key if anchor.key != route.key else route.key, replicas)[0].name
+        anchor = self.anchors.key_for(request, len(replicas), learn=False)
+        return self._orders.order(anchor.key, replicas)[0].name
 
     def observe(self, request: RouteRequest, feedback: RouteFeedback) -> None:
         if self.truth is not None:
