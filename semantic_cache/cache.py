@@ -494,7 +494,7 @@ class SemanticCache:
             out["redis_write_batches"], out["redis_writes"] = self._store.writes.batches, self._store.writes.items
         if self._sync is not None:
             out["sync"] = {"resyncs": self._sync.resyncs, "events": self._sync.events_applied,
-                           "log_reads": self._sync.reads,
+                           "log_reads": self._sync.reads, "redis_data_lost": self._sync.lost,
                            "last_sync": self._sync.last_sync}
         batcher = getattr(self._embedder, "batcher", None)
         if batcher is not None:

@@ -8,6 +8,9 @@ Layout (``P`` = ``settings.key_prefix``, default ``kvgate:sc:``):
 * ``P namespaces``  set of namespaces (purge-all, rebuild).
 * ``P log``         stream of ``add``/``del`` events, capped; instances tail it
                     to keep their in-memory indexes in sync within a second.
+* ``P generation``  a random token, set by the first instance to ask: it names
+                    this data set. A Redis that restarted empty (or was flushed)
+                    has none or another, and every instance resynchronises.
 
 On a Redis Cluster (``connect`` returns a ``RedisCluster``) ``P`` becomes a hash
 tag, ``{kvgate:sc:}``: every key above shares one slot, so the scripts in
@@ -40,6 +43,7 @@ closes and the sync loop resynchronises what it missed.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from typing import Any, Callable
 
@@ -415,6 +419,24 @@ class RedisStore:
         return out
 
     # ---- change log ----
+
+    async def generation(self) -> str:
+        """The data set's token (``P generation``), set now if it has none.
+
+        A Redis that restarts between two of our calls is reconnected by the client
+        without an error (its pool checks a socket before reuse), so no call may see the
+        outage; the log's tail then reads an empty new stream from an old position and
+        the index keeps entries the restart lost. A new token says so."""
+        key, token = self._k("generation"), secrets.token_hex(8)
+
+        async def op(r: aioredis.Redis) -> Any:
+            pipe = r.pipeline(transaction=False)
+            pipe.set(key, token, nx=True)
+            pipe.get(key)
+            return await pipe.execute()
+
+        _, value = await self._call(op)
+        return value.decode() if value else token
 
     async def log_position(self) -> str:
         """The id of the newest log event ("0-0" when empty): tail from here."""

@@ -14,7 +14,10 @@ Three mechanisms, each covering the previous one's gap:
 2. A full resynchronisation (diff of entry ids, fetch what is missing, drop
    what is gone) at start-up, after every Redis outage (events may have been
    missed; Redis may have restarted empty), and every ``resync_interval_s``
-   (the log is capped, and a slow reader can fall behind its tail).
+   (the log is capped, and a slow reader can fall behind its tail). An outage
+   no call saw (a restart between two calls: the client reconnects silently)
+   shows as a new data-set token (``RedisStore.generation``), checked every
+   ``retry_s``, the breaker's probe interval.
 3. Lookups re-read the entry from Redis before serving it, so an entry deleted
    since the last sync can cost a candidate but never be served.
 
@@ -63,6 +66,7 @@ class IndexSync:
         self.resyncs = 0
         self.events_applied = 0
         self.reads = 0  # change-log reads (XREAD round trips)
+        self.lost = 0  # times Redis was found to have lost its data set (a new generation token)
         self.last_sync: float | None = None
 
     def start(self) -> None:
@@ -70,7 +74,8 @@ class IndexSync:
 
     async def _run(self) -> None:
         position: str | None = None
-        next_resync = 0.0
+        generation = ""
+        next_resync = next_check = 0.0
         # A flag as well as cancel(): a cancellation that lands while redis-py's own read
         # timeout fires can be turned into a TimeoutError, and the loop must still end.
         while not self._stopping:
@@ -79,11 +84,20 @@ class IndexSync:
                     position = None
                     await asyncio.sleep(self._retry)
                     continue
+                if position is not None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + self._retry
+                    if await self._store.generation() != generation:
+                        log.warning("semantic cache: redis lost its data (restarted or flushed); resynchronising")
+                        self.lost += 1
+                        position = None
                 if position is None or time.monotonic() >= next_resync:
-                    # Position first, then the diff: events racing the diff are replayed (idempotent).
+                    # Token, position, then the diff: events racing the diff are replayed
+                    # (idempotent), and a restart during it shows as a new token.
+                    generation = await self._store.generation()
                     position = await self._store.log_position()
                     await self.resync()
                     next_resync = time.monotonic() + self._resync_interval
+                    next_check = time.monotonic() + self._retry
                 started = time.monotonic()
                 position, events = await self._store.read_log(position)
                 self.reads += 1
