@@ -1,7 +1,10 @@
 """kvgate's rows in the P/D benchmark (``bench.pd``): kvgate routing the same prefill and decode simulators.
 
 * ``kvgate-always``: every request through a prefill replica (``routing.disaggregation:
-  always``), the prefill pick by prefix affinity, as vLLM's router disaggregates every request;
+  always``), as vLLM's router disaggregates every request; the prefill pick by its own ``ttft``
+  policy (``routing.prefill_pick``, the default);
+* ``kvgate-always-policy-pick``: the same, the prefill pick by the fleet's policy (prefix affinity,
+  ``routing.prefill_pick: policy``), as before the default changed;
 * ``kvgate-selective``: remote prefill only when it pays (``routing.disagg.decide``).
 
 Each row runs kvgate as its own process (``bench.chaos_fleet.start_kvgate``) with the fleet's
@@ -25,15 +28,15 @@ from bench.chaos_fleet import _kill, free_port, kvgate_config, start_kvgate
 __all__ = ["kvgate_row", "main"]
 
 
-def kvgate_row(mode: str) -> pd.RowStarter:
+def kvgate_row(mode: str, **routing: Any) -> pd.RowStarter:
     def start(fleet: pd.Fleet, workdir: Path, args: argparse.Namespace) -> pd.Route:
         sims = [*fleet.prefill, *fleet.decode]
-        config: dict[str, Any] = kvgate_config(free_port(), sims, routing={"disaggregation": mode},
+        config: dict[str, Any] = kvgate_config(free_port(), sims, routing={"disaggregation": mode, **routing},
                                                pool={"metrics_interval_s": 0.5})
         roles = {s.name: "prefill" for s in fleet.prefill} | {s.name: "decode" for s in fleet.decode}
         for replica in config["replicas"]:
             replica["role"] = roles[replica["name"]]
-        row_dir = workdir / f"kvgate-{mode}"
+        row_dir = workdir / "-".join(["kvgate", mode, *map(str, routing.values())])
         row_dir.mkdir(parents=True, exist_ok=True)
         gw = start_kvgate(row_dir, config)
         return pd.Route([gw.url], fleet.prefill, fleet.decode, lambda: _kill(gw.proc))
@@ -42,6 +45,7 @@ def kvgate_row(mode: str) -> pd.RowStarter:
 
 
 pd.add_row("kvgate-always", kvgate_row("always"))
+pd.add_row("kvgate-always-policy-pick", kvgate_row("always", prefill_pick="policy"))
 pd.add_row("kvgate-selective", kvgate_row("selective"))
 
 

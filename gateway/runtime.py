@@ -102,6 +102,8 @@ class Runtime:
         # Precise mode's truth: the replicas' KV events (routing.kv_events), when any publish them.
         self.kv_events: KVEvents | None = _make_kv_events(settings)
         self.policy: RoutingPolicy = self.make_policy(settings.routing)
+        # P/D prefill legs' own policy (routing.prefill_pick), or the same one.
+        self.prefill_policy: RoutingPolicy = self.make_prefill_policy(settings.routing)
         # Exact token ids per model (in process or from a render server), else approximate keys.
         self.tokenization = Tokenization(settings.routing)
         self.replica_keys = {r.name: r.api_key.get_secret_value() for r in settings.replicas if r.api_key}
@@ -197,6 +199,19 @@ class Runtime:
             log.warning("routing.share_index needs redis_url; routing on this instance's knowledge only")
             routing = routing.model_copy(update={"share_index": False})
         return make_policy(routing, truth=self.kv_events)
+
+    def make_prefill_policy(self, routing: RoutingSettings) -> RoutingPolicy:
+        """The policy of P/D prefill legs: its own ``ttft`` instance (routing.prefill_pick), which
+        sees only prefill replicas, or ``self.policy``. It shares nothing through Redis: the
+        gossip carries the main policy's facts."""
+        if routing.prefill_pick == "policy":
+            return self.policy
+        return make_policy(routing.model_copy(update={"policy": "ttft", "share_index": False}), truth=self.kv_events)
+
+    def use_routing(self, routing: RoutingSettings) -> None:
+        """Fresh policies for ``routing`` (an operator changed it): what was learned starts over."""
+        self.policy = self.make_policy(routing)
+        self.prefill_policy = self.make_prefill_policy(routing)
 
     def sync_kv_events(self) -> None:
         """Subscribe to the KV events of every replica in the pool that publishes them; drop the rest."""

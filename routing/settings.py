@@ -97,6 +97,11 @@ class RoutingSettings(_Section):
     # prefills remotely only when it pays (routing.disagg.decide, from measured rates);
     # "always" sends every request through a prefill replica, as vLLM's own P/D router does.
     disaggregation: Literal["selective", "always"] = "selective"
+    # How a P/D prefill leg's replica is chosen. "ttft": the least predicted time to first
+    # token (routing.ttft_affinity), which is the whole of a prefill replica's job: no decode
+    # runs beside the leg, and its pool, under pressure, is priced by what an eviction costs
+    # later. "policy": by routing.policy, as the decode pick.
+    prefill_pick: Literal["ttft", "policy"] = "ttft"
     # Precise mode's event streams (routing.kv_events; read by prefix_affinity).
     kv_events: KVEventSettings = Field(default_factory=KVEventSettings)
 

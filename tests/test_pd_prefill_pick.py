@@ -1,6 +1,7 @@
-"""The prefill pick on a P/D fleet: the default policy (routing.prefix_affinity) choosing among the
-prefill replicas for a request's prefill leg (``RouteRequest.leg``), over simulated replicas that
-speak vLLM's NixlConnector protocol (vllm_sim.pd), on loopback.
+"""The prefill pick on a P/D fleet, over simulated replicas that speak vLLM's NixlConnector protocol
+(vllm_sim.pd), on loopback: by default its own ``ttft`` policy (routing.prefill_pick), or the
+fleet's policy (routing.prefix_affinity) choosing among the prefill replicas for a request's
+prefill leg (``RouteRequest.leg``).
 
 A prefill replica decodes nothing: the legs in flight there are prefill work, which the policy
 already counts as queued prefill. Counted once more as decode load, a typical request each, they
@@ -36,8 +37,37 @@ def _eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     return predicate()
 
 
-def test_a_prefill_leg_goes_to_the_warm_replica_beside_a_leg_in_flight_there() -> None:
+def test_the_prefill_pick_is_its_own_ttft_policy_by_default() -> None:
+    """Its own policy, over the prefill replicas only: it learns each leg's answer (the leg's time
+    to first token), sends the next leg of a context where it was prefilled, and explains itself."""
     stack = PDStack({"p1": "prefill", "p2": "prefill", "d1": "decode"}, routing={"disaggregation": "always"})
+    try:
+        system = "You are the support desk of a router maker; the manuals follow. " * 60
+        requests = {n: stack.requests(n) for n in PREFILLS}
+        _ask(stack, system, "first question")
+        warm = next(n for n in PREFILLS if stack.requests(n) > requests[n])
+        cold = next(n for n in PREFILLS if n != warm)
+        cached = stack.runtime.disagg.prefill_cached
+        for question in ("second question", "third question"):
+            _ask(stack, system, question)
+        assert stack.requests(cold) == requests[cold]
+        assert stack.runtime.disagg.prefill_cached - cached >= 2 * 700  # the system prompt, reused twice
+        out = stack.admin_post("/admin/routing/explain", {"body": {"model": MODEL, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "why?"}]}}).json()
+        assert out["policy"] == "prefix_affinity" and out["prefill_policy"] == "ttft"
+        rows = {r["replica"]: r for r in out["prefill_replicas"]}
+        assert set(rows) == set(PREFILLS) and rows[warm]["pick"]
+        assert rows[warm]["source"] in ("index", "key") and rows[cold]["source"] == "none"
+        assert rows[warm]["uncached"] < rows[cold]["uncached"]
+        pick = stack.admin_get("/admin/routing")["prefill_pick"]
+        assert pick["policy"] == "ttft" and pick["decisions"] == 3
+    finally:
+        stack.close()
+
+
+def test_a_prefill_leg_goes_to_the_warm_replica_beside_a_leg_in_flight_there() -> None:
+    stack = PDStack({"p1": "prefill", "p2": "prefill", "d1": "decode"},
+                    routing={"disaggregation": "always", "prefill_pick": "policy"})
     held: list[Any] = []
     try:
         # Three long cold prompts: this instance's typical request is large, about twice the one below.

@@ -65,7 +65,11 @@ async def explain(rt: "Runtime", spec: ExplainIn) -> dict[str, Any]:
     out = {"policy": policy.name, "model": model, "tenant": tenant.name, "token_ids": route.token_ids is not None,
            "replicas": _rows(explainer, route, decoders)}
     if pd:
-        out["prefill_replicas"] = _rows(explainer, route.leg(), [r for r in replicas if r.role in PREFILL_ROLES])
+        # The prefill pick's own policy (routing.prefill_pick): a ttft instance, or the same one.
+        prefill_explainer = getattr(rt.prefill_policy, "explain", None) or explainer
+        out["prefill_policy"] = rt.prefill_policy.name
+        out["prefill_replicas"] = _rows(prefill_explainer, route.leg(),
+                                        [r for r in replicas if r.role in PREFILL_ROLES])
         # Remote prefill or local, and the terms that decided it (routing.disagg).
         out["disaggregation"] = rt.disagg.explain(route, len(orjson.dumps(body)))
     return out

@@ -51,7 +51,7 @@ def set_routing(rt: Runtime, *, policy: str | None, epsilon: float | None,
             update={**update, **({"disaggregation": disaggregation} if disaggregation is not None else {})})
         rt.settings = rt.settings.model_copy(update={"routing": routing})
         if update:  # the P/D mode is read per request (gateway.proxy.disagg): the policy keeps what it learned
-            rt.policy = rt.make_policy(routing)
+            rt.use_routing(routing)
 
 
 def routing_stats(rt: Runtime) -> dict[str, Any]:
@@ -65,6 +65,10 @@ def routing_stats(rt: Runtime) -> dict[str, Any]:
     if callable(stats):
         out.update(stats())
     out.update(rt.routing_counts)
+    if rt.prefill_policy is not rt.policy and rt.pool.disaggregated:
+        # The P/D prefill pick's own policy (routing.prefill_pick): what it decided and learned.
+        prefill_stats = getattr(rt.prefill_policy, "stats", None)
+        out["prefill_pick"] = {"policy": rt.prefill_policy.name, **(prefill_stats() if callable(prefill_stats) else {})}
     if rt.kv_events is not None:
         out["kv_events"] = rt.kv_events.stats()
         if getattr(rt.policy, "truth", None) is None:
@@ -123,7 +127,7 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
             replica.role = spec.role
     rt.settings = rt.settings.model_copy(update={"routing": new.routing, "limits": new.limits,
                                                  "timeouts": new.timeouts})
-    rt.policy = rt.make_policy(new.routing)
+    rt.use_routing(new.routing)
     old = rt.tokenization
     if (new.routing.tokenizers, new.routing.render_url) != (old_routing.tokenizers, old_routing.render_url):
         # Loads the new directories before the old sources go, so no request sees neither.

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import orjson
 
-from routing import RouteFeedback, RouteRequest, load_now
+from routing import RouteFeedback, RouteRequest, RoutingPolicy, load_now
 from routing.backlog import CHARS_PER_TOKEN
 from routing.disagg import Decision, Terms, decide
 
@@ -194,8 +194,8 @@ class Disagg:
         decoders = [r for r in eligible if r.role in DECODE_ROLES]
         prefillers = [r for r in eligible if r.role in PREFILL_ROLES]
         prompt = float(len(route.token_ids)) if route.token_ids else payload_len / CHARS_PER_TOKEN
-        decode, uncached_d = self._pick(route, decoders, prompt)
-        prefill, uncached_p = self._pick(route.leg(), prefillers, prompt)
+        decode, uncached_d = self._pick(self.rt.policy, route, decoders, prompt)
+        prefill, uncached_p = self._pick(self.rt.prefill_policy, route.leg(), prefillers, prompt)
         rate_d = decode.prefill_rate if decode is not None else None
         rate_p = prefill.prefill_rate if prefill is not None else None
         queued = load_now(prefill) * uncached_p if prefill is not None else 0.0
@@ -205,12 +205,14 @@ class Disagg:
                       transfer_s_per_token=self.learned.transfer.value, leg_s=self.learned.leg.value)
         return terms, decode, prefill
 
-    def _pick(self, route: RouteRequest, replicas: list["Replica"], prompt: float) -> tuple["Replica | None", float]:
-        """The replica the policy puts first, and the prompt tokens it would compute (its own
+    @staticmethod
+    def _pick(policy: RoutingPolicy, route: RouteRequest, replicas: list["Replica"],
+              prompt: float) -> tuple["Replica | None", float]:
+        """The replica ``policy`` puts first, and the prompt tokens it would compute (its own
         estimate where the policy explains itself, else the whole prompt). Learns nothing."""
         if not replicas:
             return None, prompt
-        explain = getattr(self.rt.policy, "explain", None)
+        explain = getattr(policy, "explain", None)
         if explain is None:
             return replicas[0], prompt
         rows = explain(route, replicas)
@@ -420,7 +422,7 @@ class Disagg:
             proute = route.leg()
             started = time.perf_counter()
             try:
-                attempt = await open_upstream(rt.pool, rt.policy, proute, pcall, rt.replica_keys, ctx.ticket,
+                attempt = await open_upstream(rt.pool, rt.prefill_policy, proute, pcall, rt.replica_keys, ctx.ticket,
                                               roles=PREFILL_ROLES, exclude=tried)
             except GatewayError as exc:
                 self._fallback("prefill", "local")
@@ -449,8 +451,10 @@ class Disagg:
                 # Read whole and closed, its slot given back, before the decode leg opens.
                 await attempt.close()
                 # It computed the prompt if it answered, params or not: routing learns it holds it.
-                rt.policy.observe(proute, RouteFeedback(replica.name, usage.prompt_tokens if usage else None,
-                                                        usage.cached_tokens if usage else None, answered))
+                # A prefill leg's answer is its first token: its time is the leg's time to first token.
+                rt.prefill_policy.observe(proute, RouteFeedback(
+                    replica.name, usage.prompt_tokens if usage else None, usage.cached_tokens if usage else None,
+                    answered, time.perf_counter() - started if answered else None))
                 route.adopt(proute)  # the decode leg reuses its analysis: hashed once
             ok = params is not None
             self._leg("prefill", replica.name, ok)
