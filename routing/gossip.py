@@ -18,11 +18,13 @@ Three kinds of fact, kept apart as the policies keep them:
   (``BlockIndex.positions``) and the chain's length, so the receiver records
   exactly what the sender's ``index.add`` and pool model did. A key alone says
   nothing of the prompt's depth or of the layers it shares with other keys (an
-  organisation's policies under each person's profile): four ``ttft``
-  instances told only keys kept 0.95 of one instance's reuse in 7 of 15 runs
-  of ``bench.routing_homes``, with the blocks in 14 (docs/benchmarks/
-  routing-ttft.md, seventh stop). Published for every placement, not only news:
-  each one moves the receiver's LRU model of that pool.
+  organisation's policies under each person's profile): with key facts, four
+  ``ttft`` instances did little better than sharing nothing (.769 against
+  .778 on ``layered-4orgs-closed8`` seed 2); with block facts they keep 0.95
+  of one instance's reuse in 14 of ``bench.routing_homes``'s 15 runs, against
+  7 sharing nothing (docs/benchmarks/routing-ttft.md, seventh stop).
+  Published for every placement, not only news: each one moves the
+  receiver's LRU model of that pool.
 
 Facts are typed (``KeyFact``, ``BlockFact``: tuples, so a key fact compares
 equal to its ``(kind, key, replica)``). A block fact is bounded: at most
