@@ -82,7 +82,9 @@ class RoutingSync:
                 await asyncio.sleep(self._retry)
                 continue
             try:
-                reply = await self._tail.xread({STREAM: last}, count=200, block=self._block)
+                # At most 50 entries a read (5,000 facts; under 17 MB however large the block
+                # facts): a backlog is caught up over several reads, none of them huge.
+                reply = await self._tail.xread({STREAM: last}, count=50, block=self._block)
                 self._recovered()
             except Exception as e:
                 self._fault("tail", e)
