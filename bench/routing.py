@@ -97,6 +97,20 @@ ORACLES = (REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED)
 # A fact published to a Redis stream reaches the other instances' blocking reads
 # about this much later (a loopback round trip and the publisher's batching).
 SHARE_DELAY_S = 0.05
+# kvgate's policies with routing.share_index on: their facts (ttft's block facts, prefix_affinity's
+# key facts: routing.gossip) reach the other instances SHARE_DELAY_S later.
+# (PA_SETTINGS read when an instance is made: ``--set`` replaces it.)
+SHARED: dict[str, PolicyFactory] = {
+    "prefix_affinity": lambda clock: PrefixAffinity(PA_SETTINGS.model_copy(update={"share_index": True}), clock),
+    "ttft": lambda clock: TTFTAffinity(PA_SETTINGS.model_copy(update={"share_index": True}), clock),
+}
+
+
+def shared_label(policy: str, instances: int) -> str:
+    """The row of ``policy`` run as ``instances`` gateway instances sharing their facts."""
+    return f"{policy} x{instances}, shared index"
+
+
 # Policies also run as several independent gateway instances (no shared state).
 MULTI = ("sglang_cache_aware", "llm-d", "prefix_affinity", "ttft")
 # Precise mode (issue 16): policies reading the replicas' KV events, with no other shared state.
@@ -234,13 +248,12 @@ def run_workload(w: Workload, args: argparse.Namespace) -> WorkloadReport:
                                                      agreement=name == "prefix_affinity"))
         rep.rows.append(Row(f"{name} x{args.instances}", stats, ideal, rep.reference))
         _progress(w.name, f"{name} x{args.instances}", stats)
-    if "prefix_affinity" in args.policies and args.instances > 1:
+    for name in (p for p in SHARED if p in args.policies and args.instances > 1):
         # The same instances sharing what they learn through Redis (routing.share_index).
-        shared = PA_SETTINGS.model_copy(update={"share_index": True})
-        stats = simulate(w, lambda clock: PrefixAffinity(shared, clock),
-                         replace(base, instances=args.instances, agreement=True, share_s=SHARE_DELAY_S))
-        rep.rows.append(Row(f"prefix_affinity x{args.instances}, shared index", stats, ideal, rep.reference))
-        _progress(w.name, f"prefix_affinity x{args.instances} shared index", stats)
+        stats = simulate(w, SHARED[name], replace(base, instances=args.instances, agreement=name == "prefix_affinity",
+                                                  share_s=SHARE_DELAY_S))
+        rep.rows.append(Row(shared_label(name, args.instances), stats, ideal, rep.reference))
+        _progress(w.name, f"{name} x{args.instances} shared index", stats)
     for label in args.precise:
         for n in args.precise_instances if label in ("prefix_affinity precise", "ttft precise") \
                 else [max(args.precise_instances)]:

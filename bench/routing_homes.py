@@ -28,6 +28,16 @@ one piece of knowledge in common, to find which missing piece costs what.
 * ``one index and backlog``: also one record of the requests sent and not
   started (``routing.backlog``): every instance knows everything one instance
   would, and the row equals one instance's.
+
+And one deployable row (``--rows shared``):
+
+* ``shared index``: ``routing.share_index`` on: each instance publishes every
+  placement as a block fact (``routing.gossip``), delivered to the others
+  ``bench.routing.SHARE_DELAY_S`` later; nothing is presumed.
+
+After the table: per row, its hit ratio over one instance's per run (``x1
+share``), and in how many runs it keeps at least 0.95 of it; per family, the
+medians over seeds.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from routing.settings import RoutingSettings
 from routing.ttft_affinity import TTFTAffinity
 
 from .pools import DEFAULT_RATIO, pool_size
-from .routing import ideal_hit_ratio, calibrate
+from .routing import SHARE_DELAY_S, ideal_hit_ratio, calibrate
 from .routing_sim import RunStats, SimSettings, simulate
 from .routing_suite import _PROBE, requests_for
 from .workloads.generated import FAMILIES, build
@@ -57,7 +67,11 @@ FAMILY_NAMES = ("layered-4orgs-closed8", "layered-8orgs-closed8", "heavy4-closed
 
 # What each row's instances have in common (besides the scrape every instance reads).
 ROWS = (("", ()), (", one popularity", ("popularity",)), (", one index", ("index",)),
-        (", one index and backlog", ("index", "backlog")))
+        (", one index and backlog", ("index", "backlog")), (", shared index", ("share",)))
+# ``--rows`` names them (one instance's row always runs: the others are compared with it).
+ROW_NAMES = dict(zip(("none", "popularity", "index", "backlog", "shared"), ROWS))
+# A row keeps one instance's reuse where its hit ratio is at least this share of it.
+KEEPS = 0.95
 
 
 class _Instances:
@@ -70,7 +84,7 @@ class _Instances:
         self.agreed = 0
 
     def make(self, clock: Callable[[], float]) -> TTFTAffinity:
-        policy = TTFTAffinity(RoutingSettings(), clock)
+        policy = TTFTAffinity(RoutingSettings(share_index="share" in self.common), clock)
         if self.policies:
             first = self.policies[0]
             if "popularity" in self.common:
@@ -104,7 +118,8 @@ def _nothing_presumed(on: bool) -> Iterator[None]:
         ttft_module._others = others
 
 
-def run(family_name: str, seed: int, instances: int) -> list[tuple[str, RunStats, float | None]]:
+def run(family_name: str, seed: int, instances: int,
+        which: Sequence[tuple[str, tuple[str, ...]]] = ROWS) -> list[tuple[str, RunStats, float | None]]:
     family = next(f for f in FAMILIES if f.name == family_name)
     settings = SimSettings(replicas=family.replicas, seed=seed)
     w = build(family, seed, requests_for(build(family, seed, _PROBE), family, settings, family.seconds))
@@ -114,12 +129,14 @@ def run(family_name: str, seed: int, instances: int) -> list[tuple[str, RunStats
         calibrate(w, ideal_hit_ratio(w), settings, family.load)
     rows: list[tuple[str, RunStats, float | None]] = []
     for label, n, common in [("ttft", 1, ())] + [(f"ttft x{instances}{suffix}", instances, common)
-                                                   for suffix, common in ROWS]:
+                                                   for suffix, common in which]:
         made = _Instances(common)
+        # Block facts reach the other instances as through Redis (bench.routing's shared rows).
+        share_s = SHARE_DELAY_S if "share" in common else None
         with _nothing_presumed("index" in common):
-            stats = simulate(w, made.make, replace(settings, instances=n))
-        # With one index nothing is presumed (and the anchors learn nothing): no home to agree on.
-        agreed = made.agreed / made.decisions if made.decisions and "index" not in common else None
+            stats = simulate(w, made.make, replace(settings, instances=n, share_s=share_s))
+        # With one index or block facts nothing is presumed (the anchors learn nothing): no home to agree on.
+        agreed = made.agreed / made.decisions if made.decisions and not {"index", "share"} & set(common) else None
         rows.append((label, stats, agreed))
     return rows
 
@@ -129,23 +146,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", nargs="+", default=list(FAMILY_NAMES), choices=[f.name for f in FAMILIES])
     p.add_argument("--seeds", type=int, nargs="+", default=[2])
     p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--rows", nargs="+", default=list(ROW_NAMES), choices=list(ROW_NAMES),
+                   help="rows beside one instance's: none (sharing nothing), the oracles popularity, index, "
+                        "backlog (one index and backlog), and shared (routing.share_index's block facts)")
     args = p.parse_args(argv)
+    rows = [ROW_NAMES[r] for r in args.rows]
     if compiled():
         # The oracle rows replace a module function, which compiled callers would not see.
         p.error("run interpreted: KVGATE_INTERPRETED=1 python -m bench.routing_homes")
     print("| family | seed | row | hit | TTFT p50 | TTFT p95 | homes agree |")
     print("|---|---|---|---|---|---|---|")
     agree: dict[str, list[float]] = {}
+    # Per row label: per family, the (hit, p95 s, share of one instance's hit) of each seed.
+    runs: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
     for family in args.families:
         for seed in args.seeds:
-            for label, s, agreed in run(family, seed, args.instances):
+            got = run(family, seed, args.instances, rows)
+            single = got[0][1].hit_ratio
+            for label, s, agreed in got:
                 cell = "" if agreed is None else f"{agreed:.0%}"
                 if agreed is not None:
                     agree.setdefault(label, []).append(agreed)
+                share = s.hit_ratio / single if single else 1.0
+                runs.setdefault(label, {}).setdefault(family, []).append((s.hit_ratio, s.ttft(0.95), share))
                 print(f"| {family} | {seed} | {label} | {s.hit_ratio:.3f} | {s.ttft(0.5) * 1e3:.0f} ms "
                       f"| {s.ttft(0.95) * 1e3:.0f} ms | {cell} |", flush=True)
     for label, xs in agree.items():
         print(f"\n{label}: homes agree on {statistics.median(xs):.0%} of decisions (median over runs)")
+    print("\n| row | family | hit (median) | TTFT p95 (median) | x1 share (median) |")
+    print("|---|---|---|---|---|")
+    for label, families in runs.items():
+        for family, seeded in families.items():
+            print(f"| {label} | {family} | {statistics.median(x[0] for x in seeded):.3f} "
+                  f"| {statistics.median(x[1] for x in seeded) * 1e3:.0f} ms "
+                  f"| {statistics.median(x[2] for x in seeded):.3f} |")
+    for label, families in list(runs.items())[1:]:
+        shares = [x[2] for seeded in families.values() for x in seeded]
+        kept = sum(x >= KEEPS for x in shares)
+        print(f"\n{label}: keeps >= {KEEPS} of one instance's hit ratio in {kept} of {len(shares)} runs")
     return 0
 
 

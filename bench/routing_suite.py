@@ -58,7 +58,11 @@ gateway instances sharing nothing, each request going to one at random, as
 single instance's, with one more cell, ``x1 share``: per seed, its hit ratio
 over the single instance's (what splitting the traffic over instances that
 each learn only their own share costs). With ``--kv-events``, kvgate's instances
-read the replicas' KV events (precise mode), and share nothing else.
+read the replicas' KV events (precise mode), and share nothing else. With
+``--share-index``, kvgate's policies (``bench.routing.SHARED``) also run as N
+instances with ``routing.share_index`` on, their facts (``ttft``'s block
+facts) reaching the others ``bench.routing.SHARE_DELAY_S`` later: row
+``"{policy} xN, shared index"``, below the row sharing nothing.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .pools import DEFAULT_RATIO, pool_size
-from .routing import MULTI, POLICIES, calibrate, ideal_hit_ratio
+from .routing import MULTI, POLICIES, SHARE_DELAY_S, SHARED, calibrate, ideal_hit_ratio, shared_label
 from .routing_reference import REFERENCE, RUN_REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED
 from .routing_sim import RunStats, SimSettings, simulate
 from .workloads import Workload
@@ -118,7 +122,7 @@ def requests_for(w: Workload, family: Family, settings: SimSettings, seconds: fl
 
 def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
             kv_events: bool = False, pool_ratio: float = DEFAULT_RATIO, instances: int = 1,
-            seats: bool = False) -> dict[str, Any]:
+            seats: bool = False, share_index: bool = False) -> dict[str, Any]:
     """One (family, seed): build it once, replay it through every policy.
 
     Each replica's KV pool: ``pool_ratio`` x the run's reused working set /
@@ -126,7 +130,8 @@ def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
     ``kv_events``: the replicas publish KV events, so kvgate's policy runs in
     precise mode. ``instances`` > 1: each policy of ``bench.routing.MULTI``
     also runs as that many independent gateway instances (row ``"{policy} xN"``,
-    with ``of_single``, its hit ratio over the single instance's)."""
+    with ``of_single``, its hit ratio over the single instance's); with ``share_index``,
+    each of ``bench.routing.SHARED`` also with its facts shared (``shared_label``)."""
     name, seed, seconds, policies = job
     family = next(f for f in FAMILIES if f.name == name)
     settings = SimSettings(replicas=family.replicas, seed=seed, kv_events=kv_events, seats_known=seats)
@@ -151,6 +156,11 @@ def run_one(job: tuple[str, int, float, tuple[str, ...]], kv_tokens: int = 0,
             # Paired on the seed: the same requests, the same fleet, only the instance count differs.
             multi["of_single"] = multi["hit_ratio"] / s.hit_ratio if s.hit_ratio else float("nan")
             rows[multi_label(policy, instances)] = multi
+        if policy in SHARED and instances > 1 and share_index:
+            shared = _row(simulate(w, SHARED[policy], replace(settings, instances=instances, share_s=SHARE_DELAY_S)),
+                          reference.hit_ratio, ideal, instances)
+            shared["of_single"] = shared["hit_ratio"] / s.hit_ratio if s.hit_ratio else float("nan")
+            rows[shared_label(policy, instances)] = shared
     print(f"  {name} seed {seed}: {n} requests, {reference.makespan:.0f} s simulated, "
           f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return {"family": name, "seed": seed, "requests": n, "description": w.description, "ideal": ideal,
@@ -176,11 +186,14 @@ def multi_label(policy: str, instances: int) -> str:
     return f"{policy} x{instances}"
 
 
-def table_rows(policies: Sequence[str], instances: int) -> list[str]:
-    """The table's rows in order: each multi-instance row right below its single instance's, to be read beside it."""
+def table_rows(policies: Sequence[str], instances: int, share_index: bool = False) -> list[str]:
+    """The table's rows in order: each multi-instance row right below its single instance's, to be read beside it
+    (the one sharing facts below the one sharing nothing)."""
     rows: list[str] = []
     for p in policies:
         rows += [p, multi_label(p, instances)] if p in MULTI and instances > 1 else [p]
+        if p in SHARED and instances > 1 and share_index:
+            rows.append(shared_label(p, instances))
     return rows
 
 
@@ -281,6 +294,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--instances", type=int, default=1,
                    help=f"also run {', '.join(MULTI)} as this many gateway instances sharing nothing "
                         "(rows 'policy xN'; default 1: no such rows)")
+    p.add_argument("--share-index", action="store_true",
+                   help=f"with --instances, also run {', '.join(SHARED)} as that many instances sharing their "
+                        "facts (routing.share_index), delivered as through Redis")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = p.parse_args(argv)
     if args.instances < 1:
@@ -297,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             for f in sorted(families, key=lambda f: -f.seconds) for seed in seeds]
     started = time.perf_counter()
     one = functools.partial(run_one, kv_tokens=args.kv_tokens, kv_events=args.kv_events, pool_ratio=args.pool_ratio,
-                            instances=args.instances, seats=args.seats)
+                            instances=args.instances, seats=args.seats, share_index=args.share_index)
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             results = list(pool.map(one, jobs))
@@ -317,10 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         print("replicas publish KV events: prefix_affinity runs in precise mode (--kv-events)")
     if args.seats:
         print("kvgate is told each replica's max_num_seqs as its max_in_flight (--seats)")
-    rows = table_rows(policies, args.instances)
+    rows = table_rows(policies, args.instances, args.share_index)
     if len(rows) > len(policies):
         print(f"policy x{args.instances} = {args.instances} gateway instances sharing nothing, each request to one "
               "at random; x1 share = its hit over the single instance's, per seed (--instances)")
+        if args.share_index:
+            print(f"policy x{args.instances}, shared index = the same with routing.share_index: each fact reaches "
+                  f"the other instances {SHARE_DELAY_S * 1e3:.0f} ms later (--share-index)")
     for f in families:
         print(format_family(f, [r for r in results if r["family"] == f.name], rows, args.tie))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,14 @@ Off the hot path. Routing appends facts to the policy's outbox
 this loop publishes them every ``flush_s`` as one stream
 entry per batch, and tails the stream with a blocking ``XREAD`` on a
 connection of its own, applying the other instances' facts. The stream is
-capped (``MAXLEN ~``): facts are hints about the last minute, not a log. They
-hold routing-key hashes and replica names, never prompt text.
+capped (``MAXLEN ~``): facts are hints about the last seconds, not a log. They
+hold routing-key and block hashes and replica names, never prompt text.
+
+``ttft``'s block facts (``routing.gossip.BLOCKS``) carry a prompt's block
+hashes at the positions the index records, up to 199 at the default
+``max_blocks`` (about 3.3 KB; a key fact is about 50 bytes), one per request
+routed: batches are sized for them, and every flush publishes all that is
+pending, a batch per entry.
 
 A Redis fault costs only the sharing: the loop logs once per outage, drops
 what it could not send (the outbox is bounded anyway) and retries; routing
@@ -29,15 +35,17 @@ STREAM = "kvgate:routing:facts"
 
 class RoutingSync:
     def __init__(self, policy: Callable[[], Any], client: Any, tail: Any, *, flush_s: float = 0.05,
-                 block_ms: int = 1000, maxlen: int = 1000, batch: int = 500, retry_s: float = 1.0) -> None:
+                 block_ms: int = 1000, maxlen: int = 200, batch: int = 100, retry_s: float = 1.0) -> None:
         self._policy = policy  # the runtime's current policy (an admin change replaces it)
         self._r = client  # publishes (the runtime's client; the runtime closes it)
         self._tail = tail  # blocks in XREAD: owned here, with a read timeout above block_ms
         self._flush = flush_s
         self._block = block_ms
-        # Entries are batches of at most ``batch`` facts: the stream stays under about
-        # 1000 x 500 x 50 bytes however busy the fleet, and a minute or so of facts
-        # at ordinary rates (the tail only ever reads what is new).
+        # Entries are batches of at most ``batch`` facts: an entry stays under about
+        # 100 x 3.3 KB (block facts at the longest prompts), the stream under 200 such
+        # however busy the fleet, and some seconds of facts at ordinary rates: at 50 ms
+        # flushes an entry holds what one instance routed in 50 ms (the tail only ever
+        # reads what is new, and a fact older than a second is worth little).
         self._maxlen = maxlen
         self._batch = batch
         self._retry = retry_s
@@ -54,16 +62,17 @@ class RoutingSync:
         while True:
             await asyncio.sleep(self._flush)
             gossip = self._gossip()
-            facts = gossip.drain(self._batch) if gossip is not None else []
-            if not facts:
-                continue
-            try:
-                await self._r.xadd(STREAM, {"src": self.me, "facts": encode(facts)},
-                                   maxlen=self._maxlen, approximate=True)
-                self._recovered()
-            except Exception as e:  # the loop never dies: sharing is a hint
-                self._fault("publish", e)
-                await asyncio.sleep(self._retry)
+            # All that is pending, a batch per entry: one batch a flush would cap an instance
+            # at batch / flush_s facts a second, and block facts come one per request.
+            while gossip is not None and (facts := gossip.drain(self._batch)):
+                try:
+                    await self._r.xadd(STREAM, {"src": self.me, "facts": encode(facts)},
+                                       maxlen=self._maxlen, approximate=True)
+                    self._recovered()
+                except Exception as e:  # the loop never dies: sharing is a hint
+                    self._fault("publish", e)
+                    await asyncio.sleep(self._retry)
+                    break
 
     async def _tail_loop(self) -> None:
         last = "$"  # facts from before this instance started are not worth replaying
@@ -73,7 +82,9 @@ class RoutingSync:
                 await asyncio.sleep(self._retry)
                 continue
             try:
-                reply = await self._tail.xread({STREAM: last}, count=200, block=self._block)
+                # At most 50 entries a read (5,000 facts; under 17 MB however large the block
+                # facts): a backlog is caught up over several reads, none of them huge.
+                reply = await self._tail.xread({STREAM: last}, count=50, block=self._block)
                 self._recovered()
             except Exception as e:
                 self._fault("tail", e)

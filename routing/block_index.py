@@ -129,6 +129,35 @@ class BlockIndex:
             out.extend(range(self._positions[upto - 1] + 1, n_blocks))
         return out
 
+    def recorded(self, hashes: Sequence[int], limit: int) -> tuple[int, list[int]]:
+        """What another instance needs to repeat ``add(hashes, ...)`` (``routing.gossip``'s block
+        fact): the chain's length and its hashes at ``positions``, at most ``limit`` of them. Past
+        ``limit``, those of the longest shorter chain that fits: the positions of a chain's prefix
+        are a prefix of its positions (sampled ones below it, then its own tail)."""
+        at = self.positions(len(hashes))[:limit]
+        return (at[-1] + 1 if at else 0), [hashes[p] for p in at]
+
+    def add_recorded(self, blocks: int, recorded: Sequence[int], bit: int) -> bool:
+        """``add`` from ``recorded``'s output: a chain of ``blocks`` whose hashes at ``positions(blocks)``
+        are ``recorded``. False (nothing recorded) where there are not as many as it records for
+        such a chain (another version's fact, or garbage). Chained hashes name their own
+        positions, so recording them needs no positions; the count bounds what a fact records."""
+        # Counted, not listed: a malformed fact's length must not build a list that long.
+        upto = self._upto(blocks)
+        count = upto + (blocks - 1 - self._positions[upto - 1] if upto and self._tails else 0)
+        if not recorded or len(recorded) != count:
+            return False
+        flag = 1 << bit
+        young, old, fresh = self._young, self._old, self._fresh
+        for h in recorded:
+            m = young.get(h)
+            if m is None:
+                m = old.pop(h, 0)
+            young[h] = m | flag
+            fresh[h] = fresh.get(h, 0) | flag
+        self._age()
+        return True
+
     def forget(self, hashes: Sequence[int], bit: int) -> None:
         """Replica ``bit`` no longer holds these entries (its pool evicted them)."""
         keep = ~(1 << bit)

@@ -185,7 +185,7 @@ class PrefixAffinity:
 
     def learn_remote(self, fact: Fact) -> None:
         """Apply what another instance learned (``routing.gossip``): the key is held there."""
-        _, key, replica = fact
+        key, replica = fact[1], fact[2]  # a block fact (``ttft``'s) names its key and replica too
         if self.gossip is not None:
             self.gossip.applied += 1
         self.index.add_key(key, self.bits.bit_for(replica, self.index))

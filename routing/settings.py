@@ -61,7 +61,8 @@ class RoutingSettings(_Section):
     epsilon: float = Field(0.25, ge=0, le=10)
     # Share where keys live with the other gateway instances through Redis
     # (routing.gossip; ignored, with a warning, without redis_url): where each
-    # placed a key away from its home, and which replica was found to hold one.
+    # placed a key away from its home, and which replica was found to hold one;
+    # with policy ttft, every placement with its prompt's block hashes (block facts).
     share_index: bool = False
     # The prefill rate that drains the queue of prompt tokens this instance sent each
     # replica (routing.backlog). Only the order between replicas matters, so a rough

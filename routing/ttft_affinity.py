@@ -57,7 +57,8 @@ blocks):
   Each instance models its own part of every pool: the pool's size times the
   part of the replicas' queues that is its own (``1 - share``), since the
   other instances' requests take the rest of the same LRU (in precise mode,
-  whose belief is the events, the whole pool: ``_hold``). Modelled at the
+  whose belief is the events, and with block facts, which bring the others'
+  requests into the model, the whole pool: ``_hold``). Modelled at the
   whole size, an instance of four believed warm what the others' traffic had
   evicted: its belief missed the replicas' ``cached_tokens`` by 0.39 of the
   prompt on ``shared_prefix``, against 0.21 with its share.
@@ -98,6 +99,23 @@ replica came to hold every organisation's layers, and four instances kept 0.72
 of one instance's reuse on ``orgs_layered``.) Alone there is no one to agree
 with: nothing is presumed, and the anchor decides nothing.
 
+**Block facts** (``routing.share_index``, with a ``redis_url``). Each
+instance publishes every placement as a block fact (``routing.gossip``): the
+routing key, the replica, and the prompt's block hashes at the positions the
+index records. Another instance records them as it records its own sends: in
+its index, and in the replica's pool model at the pool's *whole* size (every
+instance's placements now pass through every model; the sizes are those of
+the last scrape, and where none is known yet, the index only). Nothing is
+presumed then: the others' share is taken as 0 for the home, ``astray`` and
+the modelled part of the pool, since the index already holds where they sent
+their prompts, a flush (about 50 ms) late. Presuming on top of the facts would
+credit the anchor's replica with contexts the facts place elsewhere. The seats
+keep the real share (``seat_wait``): the facts say where the others' requests
+went, not how many run now. Four instances sharing nothing kept 0.95 of one
+instance's hit ratio in 7 of ``bench.routing_homes``'s 15 runs, and key facts
+alone (``HELD``, ``PLACED``) did little better; with block facts, 14 (the
+benchmark page, seventh stop).
+
 ``observe`` records that the serving replica now holds the whole prompt,
 learns the mean uncached prompt, the prediction's error and the rate's scale,
 and checks the index's belief against the ``cached_tokens`` the replica
@@ -114,8 +132,8 @@ from typing import Callable, NamedTuple, Sequence
 
 from .backlog import CHARS_PER_TOKEN, Backlog
 from .base import ReplicaView, RouteFeedback, RouteRequest, others_reported, reported
-from .block_index import BlockIndex, ReplicaBits
-from .gossip import HELD, PLACED, Fact, Gossip
+from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
+from .gossip import MAX_HASHES, PLACED, BlockFact, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
 from .kv_events import KVEvents
 from .pool_model import PoolModel
@@ -205,6 +223,9 @@ class TTFTAffinity:
         self.bits = ReplicaBits()
         self.backlog = Backlog(clock)
         self.gossip = Gossip() if self.settings.share_index else None
+        # Each replica's pool size (``kv_tokens``) as last scraped: another instance's block fact
+        # moves the pool model of a replica this instance may not have sent anything to yet.
+        self._kv_tokens: dict[str, float] = {}
         self._orders = Rendezvous()
         # Learned from the replies: the uncached prompt of a request (what another client's
         # waiting request is taken to weigh), and how far predictions missed (seconds).
@@ -285,8 +306,8 @@ class TTFTAffinity:
             return
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
         bit = self.bits.bit_for(feedback.replica, self.index)
-        if self.gossip is not None and not self.index.holders(route.key) >> bit & 1:
-            self.gossip.note(HELD, route.key, feedback.replica)  # news to this instance, so to others
+        if self.gossip is not None:  # served elsewhere than sent (a retry): a placement too
+            self._publish(info, route, feedback.replica)
         self._hold(info, route, bit, None)
 
     def started(self, request: RouteRequest, replica: str) -> None:
@@ -298,11 +319,20 @@ class TTFTAffinity:
             self.backlog.done(mark[0], mark[1], mark[2])
 
     def learn_remote(self, fact: Fact) -> None:
-        """Apply what another instance learned (``routing.gossip``): the key is held there."""
-        _, key, replica = fact
+        """Apply what another instance learned (``routing.gossip``): the key is held there, and with
+        a block fact the prompt's blocks too, recorded as this instance's own placements are: in the
+        index, and in the replica's pool model at the pool's whole size (every instance's
+        placements now pass through it), forgetting what the model evicts. Where the pool's size
+        is not known yet, the index only."""
         if self.gossip is not None:
             self.gossip.applied += 1
-        self.index.add_key(key, self.bits.bit_for(replica, self.index))
+        bit = self.bits.bit_for(fact.replica, self.index)
+        if isinstance(fact, BlockFact) and self.index.add_recorded(fact.blocks, fact.hashes, bit):
+            size = self._kv_tokens.get(fact.replica)
+            if size:
+                self._touch(bit, fact.key, self.index.positions(fact.blocks), fact.hashes,
+                            int(size * CHARS_PER_TOKEN / self.settings.block_chars))
+        self.index.add_key(fact.key, bit)
 
     def stats(self) -> dict[str, object]:
         """For ``GET /admin/routing``: what the policy decided and learned on its own."""
@@ -332,19 +362,25 @@ class TTFTAffinity:
         size = replica.kv_tokens if replica is not None else None
         if size:
             at = self.index.positions(len(info.hashes))
-            entries = [route.key] + [info.hashes[p] for p in at]
-            weights = [0] + [p - (at[i - 1] if i else -1) for i, p in enumerate(at)]
             # Other instances' requests take their share of the same LRU: this instance's
             # blocks live in what is left of it. That share keeps the index's belief near
             # what the pool still holds; in precise mode the belief is the replicas' events,
             # and the model only prices evictions (``refill``): at an eighth of the pool, an
             # instance of eight charged a busy home's evictions as if its own requests filled
             # it, kept sending there, and shared_prefix collapsed (the benchmark page).
+            # With block facts (share_index) every instance's placements pass through the
+            # model, so it is the whole pool: ``_others_share`` is 0 then (``_rank``).
             own = 1.0 if self.truth is not None else 1.0 - self._others_share
             capacity = int(size * own * CHARS_PER_TOKEN / info.block)
-            evicted = self.pools.touch(bit, entries, weights, capacity)
-            if evicted:
-                self.index.forget(evicted, bit)
+            self._touch(bit, route.key, at, [info.hashes[p] for p in at], capacity)
+
+    def _touch(self, bit: int, key: int, at: Sequence[int], recorded: Sequence[int], capacity: int) -> None:
+        """The pool model's part of recording a prompt: its key and the blocks recorded at
+        positions ``at`` (``recorded``) just used at ``bit``; what the model evicts, the index forgets."""
+        weights = [0] + [p - (at[i - 1] if i else -1) for i, p in enumerate(at)]
+        evicted = self.pools.touch(bit, [key, *recorded], weights, capacity)
+        if evicted:
+            self.index.forget(evicted, bit)
 
     def _rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], learn: bool,
               explain: bool = False) -> tuple[list[ReplicaView], list[Terms]]:
@@ -354,7 +390,14 @@ class TTFTAffinity:
         route = self.keyer.key_for(request, len(replicas), learn=learn)
         order = self._orders.order(route.key, replicas)
         n = len(order)
-        waiting, share = _others(order)
+        waiting, others = _others(order)
+        # With block facts (share_index) this index holds where the other instances sent each
+        # prompt, about a flush late: nothing is presumed of them (no home, no astray, the whole
+        # pool modelled). Presumed on top of the facts, every replica an instance's anchor named
+        # would be credited twice over (the sixth and seventh stops of the benchmark page).
+        share = 0.0 if self.gossip is not None else others
+        if learn and self.gossip is not None:
+            self._remember_pools(order)
         home = 0
         if share > 0.0:
             # Only where another instance has a share: alone, nothing is presumed, and an
@@ -393,7 +436,13 @@ class TTFTAffinity:
             # the replica reported waiting: each figure counts this instance's own requests.
             # And at least the wait for a seat, where a replica's seats are known: a request that
             # waits for one is not waiting for prefill (seconds, so only once rates are known).
-            seated.append(seat_wait(r, hold, share) if rates[i] is not None else 0.0)
+            # The seats get the real share, facts or none: block facts say where the others'
+            # requests went, not how many are running now, and the seats a scrape left free are
+            # taken by their requests sent since it all the same (``seat_wait``). With the seats
+            # known (the suite's --seats), orgs-poisson-0.85 x4 with block facts: p95 72 / 726 ms /
+            # 1.07 s (min / median / max over seeds) with the real share, 165 ms / 726 ms / 1.07 s
+            # with 0; the same hit ratios.
+            seated.append(seat_wait(r, hold, others) if rates[i] is not None else 0.0)
             ahead.append(max(max(queued[i], waiting[i] * each[i]) / rate, seated[-1]))
             ttft.append(ahead[-1] + uncached[i] / rate)
             bit = self.bits.get(r.name)
@@ -515,13 +564,33 @@ class TTFTAffinity:
         bit = self.bits.bit_for(chosen.name, self.index)
         if chosen is not home:
             self.moved += 1
-        if self.gossip is not None and not self.index.holders(route.key):
-            # A key nobody was known to hold: where it went is news even if it went home,
-            # since another instance's eligible replicas (its home) may differ.
-            self.gossip.note(PLACED, route.key, chosen.name)
+        if self.gossip is not None:
+            self._publish(info, route, chosen.name)
         if info.hashes:
             self._hold(info, route, bit, chosen, depths.get(bit, 0))
             request.scratch[_SENT] = chosen.name
+
+
+    def _publish(self, info: PrefixInfo, route: RouteKey, replica: str) -> None:
+        """Tell the other instances where this prompt went (``share_index``), before ``_hold``
+        records it here. Every placement, not only news: each one moves the receivers' pool
+        models as it moves this instance's. A prompt without blocks is a key fact, and only
+        news: a key nobody was known to hold (another instance's home for it may differ)."""
+        assert self.gossip is not None
+        if info.hashes:
+            blocks, recorded = self.index.recorded(info.hashes, MAX_HASHES)
+            self.gossip.note_blocks(route.key, replica, blocks, recorded)
+        elif not self.index.holders(route.key):
+            self.gossip.note(PLACED, route.key, replica)
+
+    def _remember_pools(self, replicas: Sequence[ReplicaView]) -> None:
+        """Each replica's pool size as scraped, for the block facts about it (``learn_remote``)."""
+        sizes = self._kv_tokens
+        if len(sizes) > MAX_REPLICA_IDS:  # names come and go (DNS pods): start afresh, as ``bits`` does
+            sizes.clear()
+        for r in replicas:
+            if r.kv_tokens:
+                sizes[r.name] = r.kv_tokens
 
 
 def seat_wait(r: ReplicaView, hold: float, share: float) -> float:

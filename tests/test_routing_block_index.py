@@ -64,3 +64,24 @@ def test_memory_stays_within_capacity_and_what_is_recorded_again_survives() -> N
         assert len(index) <= 1000
     assert index.depth_of(hot, 0) == 40, "a prefix recorded on every request never ages out"
     assert index.depth_of([1 << 20 | i for i in range(40)], 1) == 0, "one recorded once, long ago, has"
+
+
+@given(st.lists(prompt, min_size=1, max_size=8), st.integers(1, 60))
+@settings(max_examples=60)
+def test_what_another_instance_records_from_a_block_fact_is_what_add_recorded(adds, limit: int) -> None:
+    # A block fact carries ``recorded``'s output (capped at ``limit`` hashes); the receiver's
+    # index then answers every depth as the sender's does, for the chain the fact names.
+    sender, receiver = BlockIndex(100_000, MAX_BLOCKS, tails=True), BlockIndex(100_000, MAX_BLOCKS, tails=True)
+    for i, p in enumerate(adds):
+        hashes = chain_of(p, i)
+        if not hashes:
+            continue
+        blocks, recorded = sender.recorded(hashes, limit)
+        assert len(recorded) <= limit and recorded == [hashes[q] for q in sender.positions(blocks)]
+        sender.add(hashes[:blocks], i % 3)
+        assert receiver.add_recorded(blocks, recorded, i % 3)
+        # One hash more or fewer than such a chain records is refused.
+        assert not receiver.add_recorded(blocks, recorded + [7], 0) and not receiver.add_recorded(blocks, [], 0)
+    for i, p in enumerate(adds):
+        hashes = chain_of(p, i)
+        assert receiver.depths(hashes, 0b111) == sender.depths(hashes, 0b111)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import time
 
 import httpx
@@ -13,11 +15,15 @@ from hypothesis import strategies as st
 
 from bench.routing_sim import SimView as View
 from gateway.admin import operations
+from gateway import redis_client
 from gateway.app import build_app
+from gateway.routing_sync import RoutingSync
 from gateway.settings import load_settings
 from routing import RouteFeedback, RouteRequest, RoutingSettings
-from routing.gossip import HELD, PLACED, Gossip, decode, encode
+from routing.gossip import BLOCKS, HELD, MAX_HASHES, PLACED, BlockFact, Gossip, KeyFact, decode, encode
+from routing.keys import analyse
 from routing.prefix_affinity import PrefixAffinity
+from routing.ttft_affinity import TTFTAffinity
 from tests.support import chats
 from tests.support.clock import Clock
 from tests.support.redis_server import PrivateRedis
@@ -28,9 +34,54 @@ facts = st.lists(st.tuples(st.sampled_from([HELD, PLACED]), st.integers(0, 2**64
                            st.text(min_size=1, max_size=64)), max_size=20)
 
 
+block_facts = st.builds(lambda key, replica, hashes, extra: BlockFact(BLOCKS, key, replica, len(hashes) + extra,
+                                                                       tuple(hashes)),
+                        st.integers(0, 2**64 - 1), st.text(min_size=1, max_size=64),
+                        st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=MAX_HASHES), st.integers(0, 1000))
+
+
 @given(facts)
 def test_facts_survive_the_wire(batch: list[tuple[str, int, str]]) -> None:
     assert decode(encode(batch)) == batch
+
+
+@given(st.lists(st.one_of(facts.map(lambda fs: [KeyFact(*f) for f in fs]), st.lists(block_facts, max_size=3)),
+                max_size=4).map(lambda groups: [f for g in groups for f in g]))
+def test_block_facts_survive_the_wire_beside_key_facts(batch: list[KeyFact | BlockFact]) -> None:
+    assert decode(encode(batch)) == batch
+    assert all(type(got) is type(sent) for got, sent in zip(decode(encode(batch)), batch))
+
+
+# JSON a stream entry could hold: near misses of both fact shapes, and anything else.
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                     st.text(max_size=40), st.sampled_from(["b", "h", "p", "0" * 16, "f" * 32, "0x" + "0" * 14]))
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=6), max_leaves=30)
+
+
+@given(st.lists(_json, max_size=8))
+def test_malformed_facts_are_skipped_never_raised(items: list[object]) -> None:
+    got = decode(json.dumps(items))
+    assert all(isinstance(f, (KeyFact, BlockFact)) for f in got)
+    for f in got:
+        assert 0 <= f.key < 2**64 and 0 < len(f.replica) <= 256
+        if isinstance(f, BlockFact):
+            assert 0 < len(f.hashes) <= min(MAX_HASHES, f.blocks)
+
+
+def test_block_facts_are_bounded_on_the_wire() -> None:
+    key, hashes = "00000000000000ff", "0123456789abcdef"
+    assert decode(json.dumps([["b", key, "r1", 3, hashes * 2]])) == [BlockFact(BLOCKS, 255, "r1", 3, (
+        0x0123456789abcdef, 0x0123456789abcdef))]
+    for bad in (["b", key, "r1", 1, hashes * 2],  # more hashes than blocks
+                ["b", key, "r1", 2, hashes[:-1]],  # not 16 digits each
+                ["b", key, "r1", 2, "g" * 16],  # not hex
+                ["b", key, "r1", 2, " +" + hashes[2:]],  # int() would take these
+                ["b", key, "r1", True, hashes],  # a bool is not a count
+                ["b", key, "r1", 10**6, hashes * (MAX_HASHES + 1)],  # past the cap
+                ["b", key, "r1", 2, ""],  # no hashes
+                ["h", key, "r1", 2, hashes],  # a key fact's kind with blocks
+                ["b", key, "r1"]):  # a block fact's kind without them
+        assert decode(json.dumps([bad])) == [], bad
 
 
 @given(st.one_of(st.text(), st.binary()))
@@ -102,6 +153,101 @@ def test_a_replica_found_holding_a_key_is_followed_elsewhere() -> None:
     # A fact is published once: what this instance already knew is not news.
     a.observe(conversation(3), RouteFeedback(elsewhere, 500, 0, True))
     assert a.gossip is not None and len(a.gossip) == 0
+
+
+def _fleet(kv_tokens: float | None = None, n: int = 4) -> list[View]:
+    # Rates known (figures in seconds) and others' traffic on the replicas: no instance alone.
+    return [View(f"r{i}", running=2.0, waiting=0.0, prefill_rate=10_000.0, kv_tokens=kv_tokens) for i in range(n)]
+
+
+def test_a_block_fact_records_what_the_pool_keeps_and_forgets_what_it_evicts() -> None:
+    shared = RoutingSettings(share_index=True)
+    a, told, blind = TTFTAffinity(shared, Clock()), TTFTAffinity(shared, Clock()), TTFTAffinity(shared, Clock())
+    blocks = len(analyse(conversation(0), shared, a.keyer.chains).hashes)
+    # Each pool holds about three of these prompts (64 characters a block, 4 a token).
+    replicas = _fleet(kv_tokens=3 * blocks * 16, n=2)
+    told.prefer(conversation(99_999), replicas)  # ``told`` has seen the pools' sizes; ``blind`` has not
+    assert told.gossip is not None and told.gossip.drain()
+    went = [a.prefer(conversation(i), replicas)[0].name for i in range(12)]
+    assert a.gossip is not None
+    sent = a.gossip.drain()
+    assert len(sent) == 12 and all(isinstance(f, BlockFact) for f in sent)  # every placement, not only news
+    for fact in sent:
+        told.learn_remote(fact)
+        blind.learn_remote(fact)
+
+    def depth(p: TTFTAffinity, i: int) -> int:
+        bit = p.bits.get(went[i])
+        assert bit is not None
+        return p.index.depth_of(analyse(conversation(i), shared, p.keyer.chains).hashes, bit)
+
+    # The last prompt sent to each replica is held at its whole depth; the first ones were evicted
+    # from the model of the pool they went to, and forgotten, as by the instance that sent them.
+    for r in {"r0", "r1"} & set(went):
+        last = max(i for i, w in enumerate(went) if w == r)
+        assert depth(told, last) == blocks == depth(a, last)
+    first = [min(i for i, w in enumerate(went) if w == r) for r in set(went)]
+    assert [depth(told, i) for i in first] == [depth(a, i) for i in first] == [0] * len(first)
+    # Told nothing of the pools' sizes, an instance records the blocks and forgets none.
+    assert all(depth(blind, i) == blocks for i in first)
+    assert told.pools.used(told.bits.bit_for(went[0], told.index)) > 0 and blind.pools.used(0) == 0
+
+
+def test_with_block_facts_nothing_is_presumed() -> None:
+    # The replicas' queues are mostly other instances': without facts, a home is presumed.
+    busy = [View(f"r{i}", running=8.0, waiting=0.0, prefill_rate=10_000.0, in_flight_at_scrape=0) for i in range(4)]
+    request = chats.conversation(7, 2, system="policies " * 200, filler="my profile. ")
+    alone = TTFTAffinity(RoutingSettings(), Clock()).explain(request, busy)
+    told = TTFTAffinity(RoutingSettings(share_index=True), Clock()).explain(request, busy)
+    assert any(t.source == "home" for t in alone) and any(t.astray > 0 for t in alone)
+    assert all(t.source != "home" and t.astray == 0 for t in told)
+
+
+async def _carry(url: str) -> tuple[TTFTAffinity, TTFTAffinity, int, str]:
+    """Instance a places conversations until instance b, told through Redis, holds one's blocks:
+    the policies, the conversation, and where a sent it."""
+    shared = RoutingSettings(share_index=True)
+    a, b = TTFTAffinity(shared, Clock()), TTFTAffinity(shared, Clock())
+    syncs = [RoutingSync(lambda p=p: p, redis_client.connect(url, timeout_s=2.0),  # type: ignore[misc]
+                         redis_client.connect(url, timeout_s=2.0, read_timeout_s=3.0), flush_s=0.01)
+             for p in (a, b)]
+    tasks = [asyncio.ensure_future(s.run()) for s in syncs]
+    replicas = _fleet(kv_tokens=1e6)
+    b.prefer(conversation(99_999), replicas)  # b has seen the pools
+    try:
+        # b tails the stream from when its read starts: each poll places a new conversation
+        # (a fact published before that is not replayed).
+        deadline = time.monotonic() + 20.0
+        for i in itertools.count(50_000):
+            went = a.prefer(conversation(i, turns=1), replicas)[0].name
+            hashes = analyse(conversation(i), shared, b.keyer.chains).hashes
+            for _ in range(20):
+                await asyncio.sleep(0.02)
+                if b.index.depths(hashes, (1 << len(b.bits)) - 1):
+                    return a, b, i, went
+            if time.monotonic() > deadline:
+                raise AssertionError("no block fact reached b")
+        raise AssertionError("unreachable")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in syncs:
+            await s.aclose()
+
+
+def test_a_placement_reaches_another_instance_through_redis_as_blocks(redis_service: str) -> None:
+    a, b, i, went = asyncio.run(_carry(redis_service))
+    # b's index holds the whole prompt, block by block, at the replica a chose and nowhere else
+    # (a key fact records no blocks) ...
+    hashes = analyse(conversation(i), a.settings, b.keyer.chains).hashes
+    bit = b.bits.get(went)
+    assert bit is not None and b.index.depths(hashes, (1 << len(b.bits)) - 1) == {bit: len(hashes)}
+    # ... so for the conversation's next turn b believes what a does, replica by replica.
+    replicas = _fleet(kv_tokens=1e6)
+    mine, told = a.explain(conversation(i, turns=2), replicas), b.explain(conversation(i, turns=2), replicas)
+    assert [(t.replica, t.held, t.source) for t in told] == [(t.replica, t.held, t.source) for t in mine]
+    assert told[0].replica == went and told[0].held > 0.9 * (told[0].held + told[0].uncached)
 
 
 def test_sharing_without_redis_shares_nothing_and_says_so(caplog: pytest.LogCaptureFixture) -> None:

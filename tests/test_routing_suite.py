@@ -216,10 +216,27 @@ def test_the_suite_runs_a_policy_as_independent_instances_beside_its_single_inst
     assert sum(routing_suite.best_p95(runs, p, 0.0) for p in rows if p != RUN_REFERENCE) >= 1
 
 
+def test_the_suite_runs_instances_sharing_block_facts_below_those_sharing_nothing(tmp_path: Path, capsys) -> None:
+    code = routing_suite.main(["--quick", "--families", "heavy4-closed8", "--seeds", "1", "--jobs", "1",
+                               "--policies", "ttft", "--instances", "2", "--share-index", "--out", str(tmp_path)])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    single = next(i for i, line in enumerate(lines) if line.startswith("ttft "))
+    assert lines[single + 1].startswith("ttft x2 ") and lines[single + 2].startswith("ttft x2, shared index ")
+    rows = json.loads((tmp_path / "routing_suite.json").read_text())[0]["rows"]
+    shared = rows["ttft x2, shared index"]
+    assert shared["instances"] == 2
+    assert shared["of_single"] == pytest.approx(shared["hit_ratio"] / rows["ttft"]["hit_ratio"])
+
+
 def test_the_table_rows_put_each_multi_instance_row_below_its_single_instance() -> None:
     assert routing_suite.table_rows(["round_robin", "ttft", RUN_REFERENCE], 1) == ["round_robin", "ttft", RUN_REFERENCE]
     assert routing_suite.table_rows(["round_robin", "ttft", RUN_REFERENCE], 4) == [
         "round_robin", "ttft", "ttft x4", RUN_REFERENCE]
+    # Sharing facts (--share-index): kvgate's policies only, below the row sharing nothing.
+    assert routing_suite.table_rows(["round_robin", "ttft", "prefix_affinity"], 4, share_index=True) == [
+        "round_robin", "ttft", "ttft x4", "ttft x4, shared index",
+        "prefix_affinity", "prefix_affinity x4", "prefix_affinity x4, shared index"]
 
 
 def test_the_ttft_oracle_knows_each_request_s_time_to_first_token_and_keeps_the_bound_only_when_asked() -> None:
