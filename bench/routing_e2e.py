@@ -125,6 +125,8 @@ def build(name: str, args: argparse.Namespace) -> Workload:
 
 
 SHARED = "prefix_affinity+shared"
+# ttft's instances sharing block facts through the Redis (routing.share_index; routing.gossip).
+TTFT_SHARED = "ttft+shared"
 
 
 def request_body(req: Request, model: str) -> dict[str, Any]:
@@ -236,8 +238,8 @@ def _start_gateways(policy: str, sims: list[Any], workdir: Path, args: argparse.
         return
     routing: dict[str, Any] = {"policy": policy}
     extra: dict[str, Any] = {}
-    if policy == SHARED:
-        routing = {"policy": "prefix_affinity", "share_index": True}
+    if policy in (SHARED, TTFT_SHARED):
+        routing = {"policy": policy.partition("+")[0], "share_index": True}
         extra = {"redis_url": redis_url}
     if policy == PRECISE:
         routing = precise_routing(args.tokenizer)
@@ -318,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-blocks", type=int, default=0,
                    help="KV pool per replica in 16-token blocks (overrides --pool-ratio; --kv-tokens wins)")
     p.add_argument("--instances", type=int, default=1, help="kvgate processes (requests spread at random)")
-    p.add_argument("--redis-url", default=None, help=f"Redis for {SHARED} (default: a private redis-server)")
+    p.add_argument("--redis-url", default=None,
+                   help=f"Redis for {SHARED} and {TTFT_SHARED} (default: a private redis-server)")
     p.add_argument("--precise", action="store_true",
                    help=f"replicas with a real tokenizer and KV events, and a '{PRECISE}' row beside 'prefix_affinity'")
     args = p.parse_args(argv)
@@ -331,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{peer} not installed (pip install {peer}, the bench extra): its rows are left out", flush=True)
             args.policies = [x for x in args.policies if not x.startswith(peer + ":")]
     redis: RedisProc | None = None
-    if args.instances > 1 and "prefix_affinity" in args.policies and SHARED not in args.policies:
-        args.policies.append(SHARED)
-    if SHARED in args.policies and args.redis_url is None:
+    for plain, shared in (("prefix_affinity", SHARED), ("ttft", TTFT_SHARED)):
+        if args.instances > 1 and plain in args.policies and shared not in args.policies:
+            args.policies.append(shared)
+    if {SHARED, TTFT_SHARED} & set(args.policies) and args.redis_url is None:
         redis = RedisProc().start()
         args.redis_url = redis.url
     workloads = {name: build(name, args) for name in args.workloads}
