@@ -103,8 +103,7 @@ class BlockIndex:
         the work is per new block, not per block of the prompt.
         """
         flag = 1 << bit
-        young, old, fresh = self._young, self._old, self._fresh
-        start = known if 0 < known <= len(hashes) and fresh.get(hashes[known - 1], 0) & flag else 0
+        start = known if 0 < known <= len(hashes) and self._fresh.get(hashes[known - 1], 0) & flag else 0
         n = len(hashes)
         upto = self._upto(n)
         positions = self._positions
@@ -112,8 +111,12 @@ class BlockIndex:
         if upto and self._tails:
             # The tail: exact depth for the next turn.
             at = chain(at, range(max(start, positions[upto - 1] + 1), n))
-        for p in at:
-            h = hashes[p]
+        self._mark([hashes[p] for p in at], flag)
+
+    def _mark(self, hashes: Sequence[int], flag: int) -> None:
+        """Set ``flag`` on each of ``hashes`` (young again, and fresh in this generation), then age."""
+        young, old, fresh = self._young, self._old, self._fresh
+        for h in hashes:
             m = young.get(h)
             if m is None:
                 m = old.pop(h, 0)
@@ -147,15 +150,7 @@ class BlockIndex:
         count = upto + (blocks - 1 - self._positions[upto - 1] if upto and self._tails else 0)
         if not recorded or len(recorded) != count:
             return False
-        flag = 1 << bit
-        young, old, fresh = self._young, self._old, self._fresh
-        for h in recorded:
-            m = young.get(h)
-            if m is None:
-                m = old.pop(h, 0)
-            young[h] = m | flag
-            fresh[h] = fresh.get(h, 0) | flag
-        self._age()
+        self._mark(recorded, 1 << bit)
         return True
 
     def forget(self, hashes: Sequence[int], bit: int) -> None:
