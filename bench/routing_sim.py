@@ -478,6 +478,9 @@ class _Fleet:
                 started = getattr(self.policies[job.instance], "started", None)
                 if started is not None:  # the first token reaches the gateway (a stream's first byte)
                     started(job.route, e.name)
+                    # What a first token teaches (ttft's DONE facts) goes out as the gateway's
+                    # flush would send it, not with the instance's next decision.
+                    self._publish(job.instance, now)
                 self.seq += 1
                 heapq.heappush(e.running, (e.progress + job.req.output_tokens - 1, self.seq, job))
             e.prefill = []

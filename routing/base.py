@@ -72,7 +72,8 @@ def load_now(replica: ReplicaView) -> float:
 # What a policy keeps in a request's ``scratch`` about one placement (where it went, its marks in
 # the backlog and among the requests in flight, its prediction); the rest of ``scratch`` (the
 # prompt's analysis, its key, its block keys) is about the request, whichever replica serves it.
-PLACEMENT_KEYS = frozenset({"kvgate.sent", "kvgate.pending", "kvgate.backlog_mark", "kvgate.predicted"})
+PLACEMENT_KEYS = frozenset({"kvgate.sent", "kvgate.pending", "kvgate.backlog_mark", "kvgate.predicted",
+                            "kvgate.gossip_token"})
 
 
 @dataclass(slots=True)

@@ -24,7 +24,16 @@ Three kinds of fact, kept apart as the policies keep them:
   of one instance's reuse in 14 of ``bench.routing_homes``'s 15 runs, against
   7 sharing nothing (docs/benchmarks/routing-ttft.md, seventh stop).
   Published for every placement, not only news: each one moves the
-  receiver's LRU model of that pool.
+  receiver's LRU model of that pool. It also carries the prompt tokens the
+  sender expects the replica to compute (``uncached``) and a number naming
+  the request (``token``): the receiver queues them in its backlog of that
+  replica's prefill (``routing.backlog``), as if it had sent them;
+* ``DONE`` (``ttft``): the request ``token`` names had its first token from
+  the replica, so its prefill is done there, and (prefill is first come,
+  first served) so is everything queued before it, whoever sent it: the
+  receiver clears its backlog up to where it queued that request. Without
+  it, the others' tokens drained only at a rate learned from histograms
+  that batching skews, and the tail barely moved (the seventh stop).
 
 Facts are typed (``KeyFact``, ``BlockFact``: tuples, so a key fact compares
 equal to its ``(kind, key, replica)``). A block fact is bounded: at most
@@ -46,21 +55,24 @@ import re
 from collections import deque
 from typing import NamedTuple, Sequence, Union
 
-__all__ = ["HELD", "PLACED", "BLOCKS", "MAX_HASHES", "KeyFact", "BlockFact", "Fact", "Gossip", "encode",
+__all__ = ["HELD", "PLACED", "BLOCKS", "DONE", "MAX_HASHES", "KeyFact", "BlockFact", "Fact", "Gossip", "encode",
            "decode"]
 
-HELD, PLACED, BLOCKS = "h", "p", "b"
+HELD, PLACED, BLOCKS, DONE = "h", "p", "b", "d"
 # Hashes one block fact may carry (and a chain length it may name): bounds a fact on the wire
 # and what a malformed one could make a receiver record.
 MAX_HASHES = 512
 _MAX_BLOCKS = 1 << 22
 _MAX_NAME = 256
+# A prompt's uncached tokens on the wire: far above any context window, so garbage stays bounded.
+_MAX_TOKENS = 1 << 24
 _HEX = re.compile(r"[0-9a-f]*")
 _MASK = 0xFFFFFFFFFFFFFFFF
 
 
 class KeyFact(NamedTuple):
-    """``HELD`` or ``PLACED``: the prefix ``key`` names is (or is about to be) at ``replica``."""
+    """``HELD`` or ``PLACED``: the prefix ``key`` names is (or is about to be) at ``replica``.
+    ``DONE``: the request ``key`` (a block fact's ``token``) had its first token from ``replica``."""
 
     kind: str
     key: int
@@ -76,6 +88,8 @@ class BlockFact(NamedTuple):
     replica: str
     blocks: int
     hashes: tuple[int, ...]
+    uncached: int = 0  # prompt tokens the sender expects the replica to compute
+    token: int = 0  # names the request for its DONE fact (0: none follows)
 
 
 Fact = Union[KeyFact, BlockFact]
@@ -97,13 +111,15 @@ class Gossip:
     def note(self, kind: str, key: int, replica: str) -> None:
         self._out.append(KeyFact(kind, key, replica))
 
-    def note_blocks(self, key: int, replica: str, blocks: int, hashes: Sequence[int]) -> None:
+    def note_blocks(self, key: int, replica: str, blocks: int, hashes: Sequence[int], uncached: int = 0,
+                    token: int = 0) -> None:
         """A block fact; ``hashes`` are the chain's at ``BlockIndex.positions(blocks)``. Past
         ``MAX_HASHES`` the positions of a shorter chain are kept (the same recorded prefix)."""
         if not 0 < len(hashes) <= MAX_HASHES:
             # Only the index knows which shorter chain a prefix of the positions stands for.
             raise ValueError("hashes: 1 to MAX_HASHES, capped by BlockIndex.recorded")
-        self._out.append(BlockFact(BLOCKS, key, replica, blocks, tuple(hashes)))
+        self._out.append(BlockFact(BLOCKS, key, replica, blocks, tuple(hashes),
+                                   min(max(0, uncached), _MAX_TOKENS), token & _MASK))
 
     def drain(self, limit: int = 1000) -> list[Fact]:
         out: list[Fact] = []
@@ -116,12 +132,15 @@ class Gossip:
 def encode(facts: Sequence[Fact]) -> str:
     """Facts as one JSON document (one stream entry carries a batch). A key fact is
     ``[kind, key, replica]``; a block fact adds the chain's length and its hashes as one string
-    of 16 hex digits each (no separators: a third of the bytes of a list of strings)."""
+    of 16 hex digits each (no separators: a third of the bytes of a list of strings), then,
+    when it names its request, its uncached tokens and its token."""
     out: list[list[object]] = []
     for fact in facts:  # indexed, not by name: a plain (kind, key, replica) tuple is a key fact too
         item: list[object] = [fact[0], f"{fact[1] & _MASK:016x}", fact[2]]
         if isinstance(fact, BlockFact):
             item += [fact[3], "".join(f"{h & _MASK:016x}" for h in fact[4])]
+            if fact.token:
+                item += [fact.uncached, f"{fact.token & _MASK:016x}"]
         out.append(item)
     return json.dumps(out, separators=(",", ":"))
 
@@ -141,7 +160,7 @@ def decode(text: str | bytes) -> list[Fact]:
 
 
 def _fact(item: object) -> Fact | None:
-    if not isinstance(item, list) or len(item) not in (3, 5):
+    if not isinstance(item, list) or len(item) not in (3, 5, 7):
         return None
     kind, digits, replica = item[:3]
     if not (isinstance(kind, str) and isinstance(digits, str) and isinstance(replica, str)):
@@ -150,12 +169,23 @@ def _fact(item: object) -> Fact | None:
         return None
     key = int(digits, 16)
     if len(item) == 3:
-        return KeyFact(kind, key, replica) if kind in (HELD, PLACED) else None
-    blocks, packed = item[3:]
+        return KeyFact(kind, key, replica) if kind in (HELD, PLACED, DONE) else None
+    blocks, packed = item[3:5]
     if kind != BLOCKS or not isinstance(blocks, int) or isinstance(blocks, bool) or not isinstance(packed, str):
         return None
     count, rest = divmod(len(packed), 16)
     if rest or not 0 < blocks <= _MAX_BLOCKS or not 0 < count <= min(MAX_HASHES, blocks) \
             or not _HEX.fullmatch(packed):
         return None
-    return BlockFact(BLOCKS, key, replica, blocks, tuple(int(packed[i:i + 16], 16) for i in range(0, len(packed), 16)))
+    uncached, token = 0, 0
+    if len(item) == 7:
+        uncached, tag = item[5:]
+        if not (_count(uncached) and isinstance(tag, str) and len(tag) == 16 and _HEX.fullmatch(tag)):
+            return None
+        token = int(tag, 16)
+    return BlockFact(BLOCKS, key, replica, blocks, tuple(int(packed[i:i + 16], 16) for i in range(0, len(packed), 16)),
+                     uncached, token)
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _MAX_TOKENS

@@ -111,7 +111,7 @@ from typing import Any, Callable, Sequence
 from .backlog import CHARS_PER_TOKEN, Backlog
 from .base import ReplicaView, RouteFeedback, RouteRequest, reported
 from .block_index import BlockIndex, ReplicaBits
-from .gossip import HELD, PLACED, Fact, Gossip
+from .gossip import DONE, HELD, PLACED, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
 from .kv_events import KVEvents
 from .rendezvous import Rendezvous, within_bound
@@ -185,6 +185,8 @@ class PrefixAffinity:
 
     def learn_remote(self, fact: Fact) -> None:
         """Apply what another instance learned (``routing.gossip``): the key is held there."""
+        if fact[0] == DONE:  # ttft's: about a request's prefill, not where a key lives
+            return
         key, replica = fact[1], fact[2]  # a block fact (``ttft``'s) names its key and replica too
         if self.gossip is not None:
             self.gossip.applied += 1

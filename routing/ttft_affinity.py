@@ -126,6 +126,7 @@ decision, per replica, without learning anything (``POST
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from typing import Callable, NamedTuple, Sequence
@@ -133,7 +134,7 @@ from typing import Callable, NamedTuple, Sequence
 from .backlog import CHARS_PER_TOKEN, Backlog
 from .base import ReplicaView, RouteFeedback, RouteRequest, others_reported, reported
 from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
-from .gossip import MAX_HASHES, PLACED, BlockFact, Fact, Gossip
+from .gossip import DONE, MAX_HASHES, PLACED, BlockFact, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
 from .kv_events import KVEvents
 from .pool_model import PoolModel
@@ -149,6 +150,12 @@ _PENDING = "kvgate.pending"
 # Its mark in the chosen replica's prefill backlog, and what was predicted there.
 _MARK = "kvgate.backlog_mark"
 _PREDICTED = "kvgate.predicted"
+# The number its block fact named it by (``share_index``), for its DONE fact.
+_TOKEN = "kvgate.gossip_token"
+# The others' requests this instance keeps queued by token, awaiting their DONE: each is cleared
+# by its own DONE or, first come first served, by any later one at its replica; only lost facts
+# leave entries behind. About a minute of a busy fleet's requests.
+_MAX_QUEUED_REMOTE = 1 << 16
 # When its first token came (``started``): the rest of its time is a seat's.
 _FIRST = "kvgate.first_token_at"
 # The learned means (uncached prompt per request, the prediction's error) are over this
@@ -226,6 +233,14 @@ class TTFTAffinity:
         # Each replica's pool size (``kv_tokens``) as last scraped: another instance's block fact
         # moves the pool model of a replica this instance may not have sent anything to yet.
         self._kv_tokens: dict[str, float] = {}
+        # ... and its rate as this instance last priced it: the others' queued prompt tokens
+        # (their block facts) drain at it, until their first token says they are done.
+        self._rates: dict[str, float | None] = {}
+        # The others' requests queued in ``backlog`` (by their fact's token): where, and the mark
+        # their DONE fact clears up to. Numbers this instance's own requests: a random start, so
+        # instances name theirs apart.
+        self._queued_remote: dict[int, tuple[str, float]] = {}
+        self._next_token = secrets.randbits(64) | 1
         self._orders = Rendezvous()
         # Learned from the replies: the uncached prompt of a request (what another client's
         # waiting request is taken to weigh), and how far predictions missed (seconds).
@@ -281,7 +296,7 @@ class TTFTAffinity:
             self.truth.done(request.scratch.pop(_PENDING, None), served=feedback.ok, replica=feedback.replica)
         mark = request.scratch.pop(_MARK, None)
         if mark is not None:
-            self.backlog.done(mark[0], mark[1], mark[2])
+            self._done(request, mark)
         predicted = request.scratch.pop(_PREDICTED, None)
         first = request.scratch.pop(_FIRST, None)
         if feedback.ok and first is not None:
@@ -316,7 +331,15 @@ class TTFTAffinity:
         request.scratch[_FIRST] = self._clock()
         mark = request.scratch.pop(_MARK, None)
         if mark is not None:
-            self.backlog.done(mark[0], mark[1], mark[2])
+            self._done(request, mark)
+
+    def _done(self, request: RouteRequest, mark: tuple[str, float, float | None]) -> None:
+        """This instance's request at ``mark`` is prefilled (or given up): clear the backlog to
+        it, and tell the others (``DONE``), whose backlogs hold it and what was queued before."""
+        self.backlog.done(mark[0], mark[1], mark[2])
+        token = request.scratch.pop(_TOKEN, None)
+        if token is not None and self.gossip is not None:
+            self.gossip.note(DONE, token, mark[0])
 
     def learn_remote(self, fact: Fact) -> None:
         """Apply what another instance learned (``routing.gossip``): the key is held there, and with
@@ -326,12 +349,25 @@ class TTFTAffinity:
         is not known yet, the index only."""
         if self.gossip is not None:
             self.gossip.applied += 1
+        if fact.kind == DONE:
+            queued = self._queued_remote.pop(fact.key, None)
+            if queued is not None:  # prefilled there: so is all that was queued before it
+                self.backlog.done(queued[0], queued[1], self._rates.get(queued[0]))
+            return
         bit = self.bits.bit_for(fact.replica, self.index)
-        if isinstance(fact, BlockFact) and self.index.add_recorded(fact.blocks, fact.hashes, bit):
-            size = self._kv_tokens.get(fact.replica)
-            if size:
-                self._touch(bit, fact.key, self.index.positions(fact.blocks), fact.hashes,
-                            int(size * CHARS_PER_TOKEN / self.settings.block_chars))
+        if isinstance(fact, BlockFact):
+            if self.index.add_recorded(fact.blocks, fact.hashes, bit):
+                size = self._kv_tokens.get(fact.replica)
+                if size:
+                    self._touch(bit, fact.key, self.index.positions(fact.blocks), fact.hashes,
+                                int(size * CHARS_PER_TOKEN / self.settings.block_chars))
+            if fact.token and fact.uncached > 0:
+                # Queued at the replica ahead of what this instance sends next, as its own would be.
+                mark = self.backlog.add(fact.replica, float(fact.uncached), self._rates.get(fact.replica))
+                waiting = self._queued_remote
+                if len(waiting) >= _MAX_QUEUED_REMOTE:  # DONE facts lost (a Redis outage): oldest first
+                    del waiting[next(iter(waiting))]
+                waiting[fact.token] = (fact.replica, mark)
         self.index.add_key(fact.key, bit)
 
     def stats(self) -> dict[str, object]:
@@ -396,8 +432,6 @@ class TTFTAffinity:
         # pool modelled). Presumed on top of the facts, every replica an instance's anchor named
         # would be credited twice over (the sixth and seventh stops of the benchmark page).
         share = 0.0 if self.gossip is not None else others
-        if learn and self.gossip is not None:
-            self._remember_pools(order)
         home = 0
         if share > 0.0:
             # Only where another instance has a share: alone, nothing is presumed, and an
@@ -410,6 +444,8 @@ class TTFTAffinity:
         hold = self.hold.get(0.0)
         scale = self._scale()
         rates = [x / scale if x is not None else None for x in _rates(order)]
+        if learn and self.gossip is not None:
+            self._remember(order, rates)
         keys = self._keys(request)
         precise = self.truth.held(keys, [r.name for r in order]) if keys and self.truth is not None else {}
         held, sources, prompt_tokens, depths = self._held(info, route, order, home, precise, request, share)
@@ -483,7 +519,7 @@ class TTFTAffinity:
             mark = self.backlog.add(chosen.name, uncached[c], rates[c])
             request.scratch[_MARK] = (chosen.name, mark, rates[c])
             request.scratch[_PREDICTED] = (chosen.name, ttft[c] if rates[c] is not None else None, held[c], scale)
-            self._commit(request, info, route, chosen, order[home], depths)
+            self._commit(request, info, route, chosen, order[home], depths, uncached[c])
             if keys and self.truth is not None:
                 if chosen.name in precise:
                     self.precise_decisions += 1
@@ -558,20 +594,23 @@ class TTFTAffinity:
         return self.truth.request_keys(request) if self.truth is not None else []
 
     def _commit(self, request: RouteRequest, info: PrefixInfo, route: RouteKey, chosen: ReplicaView,
-                home: ReplicaView, depths: dict[int, int]) -> None:
+                home: ReplicaView, depths: dict[int, int], uncached: float) -> None:
         """What a decision teaches: the chosen replica will hold the prompt."""
         self.decisions += 1
         bit = self.bits.bit_for(chosen.name, self.index)
         if chosen is not home:
             self.moved += 1
         if self.gossip is not None:
-            self._publish(info, route, chosen.name)
+            token = self._next_token = (self._next_token + 2) & 0xFFFFFFFFFFFFFFFF  # odd: never 0
+            request.scratch[_TOKEN] = token
+            self._publish(info, route, chosen.name, uncached, token)
         if info.hashes:
             self._hold(info, route, bit, chosen, depths.get(bit, 0))
             request.scratch[_SENT] = chosen.name
 
 
-    def _publish(self, info: PrefixInfo, route: RouteKey, replica: str) -> None:
+    def _publish(self, info: PrefixInfo, route: RouteKey, replica: str, uncached: float = 0.0,
+                 token: int = 0) -> None:
         """Tell the other instances where this prompt went (``share_index``), before ``_hold``
         records it here. Every placement, not only news: each one moves the receivers' pool
         models as it moves this instance's. A prompt without blocks is a key fact, and only
@@ -579,18 +618,21 @@ class TTFTAffinity:
         assert self.gossip is not None
         if info.hashes:
             blocks, recorded = self.index.recorded(info.hashes, MAX_HASHES)
-            self.gossip.note_blocks(route.key, replica, blocks, recorded)
+            self.gossip.note_blocks(route.key, replica, blocks, recorded, round(uncached), token)
         elif not self.index.holders(route.key):
             self.gossip.note(PLACED, route.key, replica)
 
-    def _remember_pools(self, replicas: Sequence[ReplicaView]) -> None:
-        """Each replica's pool size as scraped, for the block facts about it (``learn_remote``)."""
-        sizes = self._kv_tokens
+    def _remember(self, replicas: Sequence[ReplicaView], rates: Sequence[float | None]) -> None:
+        """Each replica's pool size as scraped and its rate as priced now, for the facts about it
+        (``learn_remote``)."""
+        sizes, known = self._kv_tokens, self._rates
         if len(sizes) > MAX_REPLICA_IDS:  # names come and go (DNS pods): start afresh, as ``bits`` does
             sizes.clear()
-        for r in replicas:
+            known.clear()
+        for r, rate in zip(replicas, rates):
             if r.kv_tokens:
                 sizes[r.name] = r.kv_tokens
+            known[r.name] = rate
 
 
 def seat_wait(r: ReplicaView, hold: float, share: float) -> float:

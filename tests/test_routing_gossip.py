@@ -20,7 +20,7 @@ from gateway.app import build_app
 from gateway.routing_sync import RoutingSync
 from gateway.settings import load_settings
 from routing import RouteFeedback, RouteRequest, RoutingSettings
-from routing.gossip import BLOCKS, HELD, MAX_HASHES, PLACED, BlockFact, Gossip, KeyFact, decode, encode
+from routing.gossip import BLOCKS, DONE, HELD, MAX_HASHES, PLACED, BlockFact, Gossip, KeyFact, decode, encode
 from routing.keys import analyse
 from routing.prefix_affinity import PrefixAffinity
 from routing.ttft_affinity import TTFTAffinity
@@ -30,14 +30,16 @@ from tests.support.redis_server import PrivateRedis
 from tests.support.servers import ServerThread
 from tests.support.stack import MODEL, start_stack
 
-facts = st.lists(st.tuples(st.sampled_from([HELD, PLACED]), st.integers(0, 2**64 - 1),
+facts = st.lists(st.tuples(st.sampled_from([HELD, PLACED, DONE]), st.integers(0, 2**64 - 1),
                            st.text(min_size=1, max_size=64)), max_size=20)
 
 
-block_facts = st.builds(lambda key, replica, hashes, extra: BlockFact(BLOCKS, key, replica, len(hashes) + extra,
-                                                                       tuple(hashes)),
-                        st.integers(0, 2**64 - 1), st.text(min_size=1, max_size=64),
-                        st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=MAX_HASHES), st.integers(0, 1000))
+# A block fact names its request (a token, with its uncached tokens) or not (token 0, none).
+block_facts = st.builds(lambda key, replica, hashes, extra, uncached, token: BlockFact(
+    BLOCKS, key, replica, len(hashes) + extra, tuple(hashes), uncached if token else 0, token),
+    st.integers(0, 2**64 - 1), st.text(min_size=1, max_size=64),
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=MAX_HASHES), st.integers(0, 1000),
+    st.integers(0, 1 << 24), st.one_of(st.just(0), st.integers(1, 2**64 - 1)))
 
 
 @given(facts)
@@ -219,7 +221,9 @@ async def _carry(url: str) -> tuple[TTFTAffinity, TTFTAffinity, int, str]:
         # (a fact published before that is not replayed).
         deadline = time.monotonic() + 20.0
         for i in itertools.count(50_000):
-            went = a.prefer(conversation(i, turns=1), replicas)[0].name
+            placed = conversation(i, turns=1)
+            went = a.prefer(placed, replicas)[0].name
+            a.started(placed, went)  # its first token: a DONE fact follows the block fact
             hashes = analyse(conversation(i), shared, b.keyer.chains).hashes
             for _ in range(20):
                 await asyncio.sleep(0.02)
@@ -248,6 +252,35 @@ def test_a_placement_reaches_another_instance_through_redis_as_blocks(redis_serv
     mine, told = a.explain(conversation(i, turns=2), replicas), b.explain(conversation(i, turns=2), replicas)
     assert [(t.replica, t.held, t.source) for t in told] == [(t.replica, t.held, t.source) for t in mine]
     assert told[0].replica == went and told[0].held > 0.9 * (told[0].held + told[0].uncached)
+    # ... and nothing a sent is still queued in b's backlog: each DONE cleared its block fact's tokens.
+    assert b.backlog.queued([r.name for r in replicas], [None] * len(replicas)) == [0.0] * len(replicas)
+
+
+def test_the_others_prompts_are_queued_until_their_first_token() -> None:
+    """A block fact queues the sender's uncached prompt in the receiver's backlog of that replica,
+    and its DONE fact (the first token) clears it, with all that was queued there before it."""
+    shared = RoutingSettings(share_index=True)
+    a, b = TTFTAffinity(shared, Clock()), TTFTAffinity(shared, Clock())
+    replicas = _fleet(kv_tokens=1e6)
+    first, second = conversation(1, turns=1), conversation(2, turns=1)
+    went = a.prefer(first, replicas)[0].name
+    other = a.prefer(second, [r for r in replicas if r.name != went])[0].name
+    assert a.gossip is not None
+    for fact in a.gossip.drain():
+        b.learn_remote(fact)
+    names = [r.name for r in replicas]
+
+    def queued() -> dict[str, float]:
+        return dict(zip(names, b.backlog.queued(names, [None] * len(names))))
+
+    tokens = queued()
+    assert tokens[went] > 0 and tokens[other] > 0 and sum(tokens.values()) == tokens[went] + tokens[other]
+    ahead = {t.replica: t.ahead for t in b.explain(conversation(3, turns=1), replicas)}
+    assert ahead[went] > 0 and ahead[other] > 0 and min(ahead.values()) == 0.0
+    a.started(first, went)
+    for fact in a.gossip.drain():
+        b.learn_remote(fact)
+    assert queued()[went] == 0.0 and queued()[other] == tokens[other]
 
 
 def test_sharing_without_redis_shares_nothing_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
