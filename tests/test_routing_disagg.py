@@ -130,7 +130,7 @@ def test_a_legs_placement_marks_are_its_own_and_its_analysis_is_shared() -> None
 
     # The names the policies keep a placement under: a leg must not inherit another leg's.
     named = {prefix_affinity._SENT, prefix_affinity._PENDING, prefix_affinity._MARK, ttft_affinity._SENT,
-             ttft_affinity._PENDING, ttft_affinity._MARK, ttft_affinity._PREDICTED}
+             ttft_affinity._PENDING, ttft_affinity._MARK, ttft_affinity._PREDICTED, ttft_affinity._TOKEN}
     assert named == PLACEMENT_KEYS
     route = RouteRequest("chat", "m", "ns", {"messages": []}, token_ids=[1, 2])
     route.scratch.update({"kvgate.prefix": "analysis", "kvgate.sent": "r1", "kvgate.backlog_mark": ("r1", 3)})
