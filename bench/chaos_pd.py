@@ -32,7 +32,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from bench.chaos import GATEWAY, SIM_FLAGS, Ctx, Scenario, Tally, _need, kill_busiest
+from bench.chaos import GATEWAY, SIM_FLAGS, Ctx, Scenario, Tally, _need
+from bench.chaos_faults import kill_busiest
 from bench.chaos_fleet import Fleet, start_fleet
 
 __all__ = ["BY_NAME", "ROLES", "SCENARIOS", "start_pd_fleet"]

@@ -65,7 +65,7 @@ blocks):
 
 **The pick.** The least cost; of replicas within the prediction's error of it
 (the mean gap between predicted and observed time to first token over the
-last ``_ERROR_WINDOW`` requests, learned like the rate), the one that computes
+last ``ttft_inputs._ERROR_WINDOW`` requests, learned like the rate), the one that computes
 the fewest tokens: the fleet spends fewer GPU-seconds for the same wait. Then
 the key's rendezvous order.
 
@@ -136,11 +136,10 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 from .backlog import CHARS_PER_TOKEN, Backlog
-from .base import ReplicaView, RouteFeedback, RouteRequest, others_reported, reported
+from .base import ReplicaView, RouteFeedback, RouteRequest
 from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
 from .gossip import DONE, MAX_HASHES, PLACED, BlockFact, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
@@ -148,6 +147,7 @@ from .kv_events import KVEvents
 from .pool_model import PoolModel
 from .rendezvous import Rendezvous
 from .settings import RoutingSettings
+from .ttft_inputs import Mean, Terms, home_index, known_rates, seat_wait, waiting_and_share
 
 __all__ = ["TTFTAffinity", "Terms"]
 
@@ -166,57 +166,6 @@ _TOKEN = "kvgate.gossip_token"
 _MAX_QUEUED_REMOTE = 1 << 16
 # When its first token came (``started``): the rest of its time is a seat's.
 _FIRST = "kvgate.first_token_at"
-# The learned means (uncached prompt per request, the prediction's error) are over this
-# many recent requests: a mean of 256 samples settles within about 1/16 of its spread,
-# and a change of load replaces it within a few seconds of traffic.
-_ERROR_WINDOW = 256
-
-
-class Terms(NamedTuple):
-    """One replica's figures in one decision (``explain``; seconds, or tokens before any rate)."""
-
-    replica: str
-    rate: float | None  # prompt tokens per prefill-second used (None: figures in tokens)
-    held: float  # prompt tokens believed held
-    source: str  # where ``held`` came from: events, index, key, home, none
-    uncached: float  # prompt tokens it would compute
-    ahead: float  # the wait ahead: prefill queued, or a seat (the larger)
-    seat: float  # the wait for a seat (0 where its seats are not known or one is free)
-    astray: float  # a known-nowhere key placed away from home: its next request's refill
-    excess: float  # tokens beyond the fewest any replica would compute, priced by the busy share
-    refill: float  # the prefill its evictions cost the fleet later (pools under pressure)
-    ttft: float  # the predicted time to first token: ahead + uncached / rate
-    cost: float  # what the pick minimises: ttft + astray + excess + refill
-    bound: float  # the wait ahead the rail allows here
-    rail: str | None  # "wait" (ahead > bound) or None
-
-
-class _Mean:
-    """The mean of the last ``_ERROR_WINDOW`` samples (a learned figure, never a setting)."""
-
-    __slots__ = ("_ring", "_sum")
-
-    def __init__(self) -> None:
-        self._ring: deque[float] = deque()
-        self._sum = 0.0
-
-    def add(self, x: float) -> None:
-        self._ring.append(x)
-        self._sum += x
-        if len(self._ring) > _ERROR_WINDOW:
-            self._sum -= self._ring.popleft()
-
-    def __len__(self) -> int:
-        return len(self._ring)
-
-    def get(self, default: float) -> float:
-        return self._sum / len(self._ring) if self._ring else default
-
-    @property
-    def total(self) -> float:
-        return self._sum
-
-
 class TTFTAffinity:
     name = "ttft"
 
@@ -252,19 +201,19 @@ class TTFTAffinity:
         self._orders = Rendezvous()
         # Learned from the replies: the uncached prompt of a request (what another client's
         # waiting request is taken to weigh), and how far predictions missed (seconds).
-        self.work = _Mean()
+        self.work = Mean()
         self._others_share = 0.0
-        self.error = _Mean()
+        self.error = Mean()
         # How long a request holds its seat once it has started: from its first token to its
         # end (seconds), learned from the streams this instance relays (``seat_wait``).
-        self.hold = _Mean()
+        self.hold = Mean()
         self._clock = clock
         # The replicas' rates say how fast each is against the others; the times to first
         # token they answer say how fast prefill is felt: a request prefilled in a batch is
         # charged the batch's time, so the rate the histograms give is below the drain.
         # Observed over predicted (at the reported rates), over the same window.
-        self._observed = _Mean()
-        self._predicted = _Mean()
+        self._observed = Mean()
+        self._predicted = Mean()
         # The index's belief against the replicas' cached_tokens: |believed - reported| and prompt.
         self._belief_gap = 0.0
         self._belief_prompt = 0.0
@@ -434,7 +383,7 @@ class TTFTAffinity:
         route = self.keyer.key_for(request, len(replicas), learn=learn)
         order = self._orders.order(route.key, replicas)
         n = len(order)
-        waiting, others = _others(order)
+        waiting, others = waiting_and_share(order)
         # With block facts (share_index) this index holds where the other instances sent each
         # prompt, about a flush late: nothing is presumed of them (no home, no astray, the whole
         # pool modelled). Presumed on top of the facts, every replica an instance's anchor named
@@ -446,12 +395,12 @@ class TTFTAffinity:
             # instance pays nothing for its anchor (20 µs or more a request at 4K tokens).
             anchor = self.anchors.key_for(request, n, learn=learn)
             if anchor.key != route.key:
-                home = _home(self._orders.order(anchor.key, replicas)[0], order)
+                home = home_index(self._orders.order(anchor.key, replicas)[0], order)
         if learn:
             self._others_share = share
         hold = self.hold.get(0.0)
         scale = self._scale()
-        rates = [x / scale if x is not None else None for x in _rates(order)]
+        rates = [x / scale if x is not None else None for x in known_rates(order)]
         if learn and self.gossip is not None:
             self._remember(order, rates)
         keys = self._keys(request)
@@ -641,60 +590,3 @@ class TTFTAffinity:
             if r.kv_tokens:
                 sizes[r.name] = r.kv_tokens
             known[r.name] = rate
-
-
-def seat_wait(r: ReplicaView, hold: float, share: float) -> float:
-    """Seconds until one more request finds a seat at ``r``, whose seats are known (0 otherwise).
-
-    vLLM runs at most ``seats`` requests (--max-num-seqs); past them a request waits, whatever
-    its prefill, for one to end, and with every seat taken they end ``seats / hold`` a second
-    (``hold``: a request's time from its first token to its end). The requests there now: the
-    others' as of the last scrape, this instance's now, and what the other instances sent since
-    the scrape, taken to be what this one sent since then times ``share / (1 - share)``: they
-    decide as it does, on the same facts, so where it sent they sent too. Without that last part
-    eight instances each saw the seats a scrape left free and all filled them (MT-bench precise
-    x8 p95 182 against 25 ms: docs/benchmarks/routing-ttft.md).
-    """
-    seats = r.seats
-    if not seats or reported(r) is None or hold <= 0.0:
-        return 0.0
-    since = max(0, r.in_flight - r.in_flight_at_scrape)
-    now = others_reported(r) + r.in_flight + (since * share / (1.0 - share) if share < 1.0 else 0.0)
-    return (now - seats + 1.0) * hold / seats if now >= seats else 0.0
-
-
-def _home(first: ReplicaView, order: list[ReplicaView]) -> int:
-    """Where the anchor's first choice stands in the key's order."""
-    return next(i for i, r in enumerate(order) if r is first)
-
-
-def _rates(replicas: Sequence[ReplicaView]) -> list[float | None]:
-    """Each replica's learned prefill rate; one not known yet gets the mean of those known."""
-    known = [r.prefill_rate for r in replicas if r.prefill_rate]
-    if not known:
-        return [None] * len(replicas)
-    mean = sum(known) / len(known)  # type: ignore[arg-type]
-    return [r.prefill_rate or mean for r in replicas]
-
-
-def _others(replicas: Sequence[ReplicaView]) -> tuple[list[float], float]:
-    """The requests each replica reported waiting (per unit weight), and the others' share of the queues.
-
-    *Waiting*: every client's, this instance's included, as of the last
-    scrape: requests not yet started, whether for prefill or for a free
-    sequence slot (``max_num_seqs``), which this instance's backlog cannot see.
-
-    *The others' share*: of the replicas' reported queues, the part that is not
-    this instance's (0 before any report).
-    """
-    waiting = []
-    total = mine = 0.0
-    for r in replicas:
-        queue = reported(r)
-        if queue is None:
-            waiting.append(0.0)
-            continue
-        waiting.append((r.waiting or 0.0) / r.weight)
-        total += queue
-        mine += min(queue, r.in_flight_at_scrape)
-    return waiting, (total - mine) / total if total > 0 else 0.0
