@@ -3,8 +3,8 @@
 * ``kvgate-always``: every request through a prefill replica (``routing.disaggregation:
   always``), as vLLM's router disaggregates every request; the prefill pick by its own ``ttft``
   policy (``routing.prefill_pick``, the default);
-* ``kvgate-always-policy-pick``: the same, the prefill pick by the fleet's policy (prefix affinity,
-  ``routing.prefill_pick: policy``), as before the default changed;
+* ``kvgate-always-policy-pick``: the same with ``routing.policy: prefix_affinity`` and the prefill
+  pick by it (``routing.prefill_pick: policy``): kvgate's defaults before issues 29 and 26;
 * ``kvgate-selective``: remote prefill only when it pays (``routing.disagg.decide``).
 
 Each row runs kvgate as its own process (``bench.chaos_fleet.start_kvgate``) with the fleet's
@@ -45,7 +45,7 @@ def kvgate_row(mode: str, **routing: Any) -> pd.RowStarter:
 
 
 pd.add_row("kvgate-always", kvgate_row("always"))
-pd.add_row("kvgate-always-policy-pick", kvgate_row("always", prefill_pick="policy"))
+pd.add_row("kvgate-always-policy-pick", kvgate_row("always", prefill_pick="policy", policy="prefix_affinity"))
 pd.add_row("kvgate-selective", kvgate_row("selective"))
 
 

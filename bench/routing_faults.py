@@ -3,7 +3,7 @@
 Real processes on loopback: ``vllm_sim`` replicas that tokenize with the
 MiniLM tokenizer directory and publish KV events in vLLM's wire format
 (``bench.precise_fleet``), one kvgate in precise mode in front of them
-(the default policy, the tokenizer for the model, every replica's
+(``prefix_affinity``, the default when these figures were taken; the tokenizer for the model, every replica's
 ``kv_events``/``kv_events_replay``), and a workload of multi-turn chat
 conversations over a few shared system prompts, each turn sent a short think
 time after the last one's answer (an agent loop), so that where each turn

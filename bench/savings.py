@@ -6,7 +6,7 @@
 
 For every workload of ``bench.routing`` (same sizes, pools and arrival rates),
 on the virtual-time fleet (``bench.routing_sim``): the default policy
-(``prefix_affinity``) serves it with the savings ledger attached
+(``routing.policy``'s default, ``ttft``) serves it with the savings ledger attached
 (``routing.savings``, fed exactly as the gateway feeds it: after each answer,
 with the request's routing blocks and the replica's reported usage), which
 estimates what round robin would have computed. Then the same requests are
@@ -28,9 +28,8 @@ import sys
 from dataclasses import replace
 from typing import Sequence
 
-from routing import RoutingSettings
-from routing.base import ReplicaView, RouteFeedback, RouteRequest
-from routing.prefix_affinity import PrefixAffinity
+from routing import RoutingSettings, make_policy
+from routing.base import ReplicaView, RouteFeedback, RouteRequest, RoutingPolicy
 from routing.round_robin import RoundRobin
 from routing.savings import SavingsLedger
 
@@ -43,7 +42,7 @@ from .workloads import Workload
 class Attached:
     """The default policy with the ledger fed as the gateway feeds it (after each answer)."""
 
-    def __init__(self, policy: PrefixAffinity, ledger: SavingsLedger, calls: list) -> None:  # type: ignore[type-arg]
+    def __init__(self, policy: RoutingPolicy, ledger: SavingsLedger, calls: list) -> None:  # type: ignore[type-arg]
         self.policy, self.ledger, self.calls = policy, ledger, calls
         self.name = policy.name
         self.fleet: Sequence[ReplicaView] = ()
@@ -78,7 +77,7 @@ def run(w: Workload, rate: float, entries: int, base: SimSettings,
     calls: list = []  # type: ignore[type-arg]
 
     def make(clock):  # type: ignore[no-untyped-def]
-        return Attached(PrefixAffinity(RoutingSettings(), clock), ledger, calls)
+        return Attached(make_policy(RoutingSettings(), clock=clock), ledger, calls)
 
     # With KV events on, the simulator gives every request token ids (stand-ins, equal exactly as
     # far as the engine's blocks are), so the shadow is fed token-block keys as in precise mode.

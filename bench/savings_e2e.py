@@ -50,6 +50,7 @@ from bench.routing_e2e import SIM_FLAGS, _send_factory, reset, resize, workload_
 from bench.routing_replay import replay
 from bench.savings import parser, workload
 from bench.workloads import Workload
+from routing import RoutingSettings
 
 ADMIN_TOKEN = "savings-e2e"
 
@@ -135,7 +136,7 @@ class Check:
 def check(w: Workload, blocks: int, sims: list[Sim], workdir: Path, args: argparse.Namespace) -> Check:
     """Both runs of ``w`` on ``sims`` (restarted with pools of ``blocks`` first, when theirs differ)."""
     resize(sims, blocks)
-    ours = run("prefix_affinity", w, sims, workdir, args)
+    ours = run(RoutingSettings().policy, w, sims, workdir, args)  # the default policy
     rr = run("round_robin", w, sims, workdir, args)
     totals = ours.savings["totals"]["prefill"]
     return Check(w.name, len(w.requests), totals["rr_computed_tokens"], rr.computed, totals["computed_tokens"],

@@ -2,9 +2,10 @@
 
 Policies are pure functions of the request and the membership list that return
 a preference order (``routing.base``); ``make_policy`` builds the configured one.
-The default, ``prefix_affinity``, sends each request where the prompt work it
-would wait for and add is least, within a load bound checked at every decision,
-ties broken by the rendezvous order of its prefix key (``routing.prefix_affinity``).
+The default, ``ttft``, sends each request where its predicted time to first
+token is least, in seconds at each replica's learned prefill rate, within a rail
+on the wait ahead (``routing.ttft_affinity``); ``prefix_affinity``, the default
+before it, prices prompt tokens within a bound on requests in flight.
 
 What the gateway calls:
 
@@ -24,6 +25,8 @@ What the gateway calls:
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 # First: decides, before any compiled module is imported, whether they run compiled or from source.
@@ -47,17 +50,19 @@ __all__ = [
 ]
 
 
-def make_policy(settings: RoutingSettings, truth: KVEvents | None = None) -> RoutingPolicy:
+def make_policy(settings: RoutingSettings, truth: KVEvents | None = None,
+                clock: Callable[[], float] = time.monotonic) -> RoutingPolicy:
     """The configured policy; each call returns a fresh instance with its own state.
 
     ``truth``, the replicas' KV events, goes to the policies that route on them
-    (precise mode); they say so with a ``truth`` attribute (``routing.base.RoutingPolicy``)."""
+    (precise mode); they say so with a ``truth`` attribute (``routing.base.RoutingPolicy``).
+    ``clock`` is the time the stateful policies read (a simulator passes its virtual one)."""
     if settings.policy == "least_load":
         return LeastLoad()
     if settings.policy == "round_robin":
         return RoundRobin()
     if settings.policy == "consistent_hash":
         return ConsistentHash(settings)
-    policy = TTFTAffinity(settings) if settings.policy == "ttft" else PrefixAffinity(settings)
+    policy = TTFTAffinity(settings, clock) if settings.policy == "ttft" else PrefixAffinity(settings, clock)
     policy.truth = truth
     return policy

@@ -49,11 +49,12 @@ RETIRED = ("load_average_s", "burst_epsilon", "new_key_epsilon", "placement_memo
 
 
 class RoutingSettings(_Section):
-    # prefix_affinity: routing.prefix_affinity (one cost per replica, the bound at every
-    # decision). "cost", its name while it was being measured, still selects it.
     # ttft: routing.ttft_affinity (issue 26: the time to first token each replica would give,
-    # its rate learned from the replicas; measured against prefix_affinity, not yet the default).
-    policy: Literal["prefix_affinity", "ttft", "least_load", "round_robin", "consistent_hash"] = "prefix_affinity"
+    # in seconds, each replica's prefill rate learned from its /metrics, and a rail on the wait
+    # ahead). prefix_affinity: routing.prefix_affinity, the default before it (one cost per
+    # replica in prompt tokens, a bound on requests in flight at every decision); "cost", its
+    # name while it was being measured, still selects it.
+    policy: Literal["prefix_affinity", "ttft", "least_load", "round_robin", "consistent_hash"] = "ttft"
     # The load bound (consistent hashing with bounded loads): a replica takes a request
     # only if its in-flight stays within ceil((1 + epsilon) x mean in flight), judged at
     # every decision on this instance's own in-flight plus what the replicas report.

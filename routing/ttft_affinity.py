@@ -1,10 +1,9 @@
 """``ttft``: the time to first token each replica would give, learned from the replicas, and one rail.
 
-Issue 26's policy, selectable with ``routing.policy: ttft`` while it is
-measured against ``prefix_affinity`` (docs/benchmarks/routing-ttft.md: where
-it wins and where it still loses). For every request it asks each eligible
-replica one question, in seconds (NVIDIA Dynamo's KV router asks it in
-blocks):
+Issue 26's policy and the default (``routing.policy: ttft``); ``prefix_affinity``
+was the default before it (docs/benchmarks/routing-ttft.md: where each wins
+and where it still loses). For every request it asks each eligible replica
+one question, in seconds (NVIDIA Dynamo's KV router asks it in blocks):
 
     ttft(r) = ahead(r) + uncached(r) / rate(r)
     cost(r) = ttft(r) + astray(r) + excess(r) + refill(r)

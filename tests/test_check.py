@@ -62,6 +62,16 @@ def test_a_fleet_configured_as_its_replicas_are_passes_every_check(
                       f"token ids {MODEL}"):
             assert table[(s.name, check)] == "ok", (check, out)
     assert "every check passed" in out and "FAIL" not in out
+    # Seats not told: ttft (the default) cannot price a wait for a slot, and check says what to set.
+    assert table[(agreeing[0].name, "seats")] == "skip" and "--max-num-seqs" in out
+
+
+def test_told_seats_are_reported(agreeing: list[EventSim], tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    replicas = [{**s.replica_settings(), "max_in_flight": 64} for s in agreeing]
+    rc, out = _run(tmp_path, {"replicas": replicas}, capsys)
+    assert rc == 0, out
+    assert all(_lines(out)[(s.name, "seats")] == "ok" for s in agreeing) and "max_in_flight 64" in out
 
 
 def test_what_precise_routing_would_miss_is_named_per_replica(

@@ -146,5 +146,5 @@ def test_demo_precise_routes_on_the_replicas_kv_events(tmp_path: Path,
         time.sleep(0.3)  # the replica's events for the shared system prompt arrive
     assert len(set(served)) == 1  # every request follows the blocks the first one cached
     stats = httpx.get(admin, headers=auth, timeout=5).json()
-    assert stats["policy"] == "prefix_affinity" and stats["precise_decisions"] >= 2
+    assert stats["policy"] == "ttft" and stats["precise_decisions"] >= 2
     assert stats["tokenization"]["models"]["sim-model"]["mode"] == "in-process"

@@ -40,7 +40,9 @@ def _eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
 def test_the_prefill_pick_is_its_own_ttft_policy_by_default() -> None:
     """Its own policy, over the prefill replicas only: it learns each leg's answer (the leg's time
     to first token), sends the next leg of a context where it was prefilled, and explains itself."""
-    stack = PDStack({"p1": "prefill", "p2": "prefill", "d1": "decode"}, routing={"disaggregation": "always"})
+    # The fleet's own policy is set apart from ttft, so the prefill pick is seen to be its own.
+    stack = PDStack({"p1": "prefill", "p2": "prefill", "d1": "decode"},
+                    routing={"disaggregation": "always", "policy": "prefix_affinity"})
     try:
         system = "You are the support desk of a router maker; the manuals follow. " * 60
         requests = {n: stack.requests(n) for n in PREFILLS}
@@ -67,7 +69,7 @@ def test_the_prefill_pick_is_its_own_ttft_policy_by_default() -> None:
 
 def test_a_prefill_leg_goes_to_the_warm_replica_beside_a_leg_in_flight_there() -> None:
     stack = PDStack({"p1": "prefill", "p2": "prefill", "d1": "decode"},
-                    routing={"disaggregation": "always", "prefill_pick": "policy"})
+                    routing={"disaggregation": "always", "prefill_pick": "policy", "policy": "prefix_affinity"})
     held: list[Any] = []
     try:
         # Three long cold prompts: this instance's typical request is large, about twice the one below.

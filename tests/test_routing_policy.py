@@ -12,6 +12,7 @@ from routing import RouteFeedback, RouteRequest, RoutingSettings, load_now, make
 from routing.consistent_hash import ConsistentHash
 from routing.least_load import LeastLoad
 from routing.prefix_affinity import PrefixAffinity
+from routing.ttft_affinity import TTFTAffinity
 from routing.rendezvous import Rendezvous, within_bound
 from routing.round_robin import RoundRobin
 from gateway.observe.metrics import _PolicyCollector
@@ -56,9 +57,10 @@ def test_every_policy_returns_a_permutation(n: int, conv: int, loads: list[int])
         assert sorted(r.name for r in order) == sorted(r.name for r in replicas)
 
 
-def test_make_policy_defaults_to_prefix_affinity() -> None:
-    assert RoutingSettings().policy == "prefix_affinity"
-    assert isinstance(make_policy(RoutingSettings()), PrefixAffinity)
+def test_make_policy_defaults_to_ttft() -> None:
+    assert RoutingSettings().policy == "ttft"
+    assert isinstance(make_policy(RoutingSettings()), TTFTAffinity)
+    assert isinstance(make_policy(RoutingSettings(policy="prefix_affinity")), PrefixAffinity)
     assert isinstance(make_policy(RoutingSettings(policy="round_robin")), RoundRobin)
     assert isinstance(make_policy(RoutingSettings(policy="least_load")), LeastLoad)
     assert isinstance(make_policy(RoutingSettings(policy="consistent_hash")), ConsistentHash)
