@@ -459,9 +459,10 @@ class TTFTAffinity:
             best = min(cost[i] for i in fits)
             # Of those computing the fewest tokens, the fewest requests there now (ours, and the
             # others' as last reported) for its speed: each decodes beside this one, and past the
-            # replica's seats it waits for one; a replica at half speed takes half as many. Without it, a decode-bound fleet whose prompts are all cold
-            # looked the same everywhere and split by the keys' hashes: the fairness benchmark's
-            # quiet tenant had a p95 of 123 ms at its share, against 29 ms (benchmark page).
+            # replica's seats it waits for one; a replica at half speed takes half as many.
+            # Without it, a decode-bound fleet of cold prompts looked the same everywhere and
+            # split by the keys' hashes: the fairness benchmark's quiet tenant had a p95 of 123 ms
+            # at its share, 28 ms with it (docs/benchmarks/fairness.md).
             load = [load_now(r) / speed[i] for i, r in enumerate(order)]
             first = min((i for i in fits if cost[i] <= best + band), key=lambda i: (uncached[i], load[i], cost[i], i))
             rest = sorted((i for i in fits if i != first), key=lambda i: (cost[i], uncached[i], i))
