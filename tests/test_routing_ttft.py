@@ -308,3 +308,23 @@ def test_other_instances_sends_since_the_scrape_are_counted_as_this_ones() -> No
     r0.in_flight = 3  # one more of ours since the scrape: as many of the others', presumably
     seat = {t.replica: t.seat for t in policy.explain(one_off(1, 400), replicas)}[r0.name]
     assert seat == ((4 - 2) + 3 + 1 - 4 + 1) * 1.0 / 4
+
+
+def test_among_replicas_equally_good_the_fewest_requests_for_its_speed_wins() -> None:
+    # Cold one-off prompts, nothing queued for prefill: every replica predicts the same time to
+    # first token, and the pick falls to how many requests each has now (each decodes beside the
+    # new one, and past its seats it waits for one), not to the prompt's hash. (A fresh policy
+    # for each decision: a placement queues its own prefill, which would decide the next.)
+    replicas = rated(2)
+
+    def picks() -> set[str]:
+        return {TTFTAffinity().prefer(one_off(i, 400), replicas)[0].name for i in range(40)}
+
+    replicas[0].in_flight, replicas[1].in_flight = 4, 1
+    assert picks() == {"r1"}
+    replicas[0].in_flight = 1  # equal: the keys' order spreads them
+    assert picks() == {"r0", "r1"}
+    replicas[0].prefill_rate, replicas[0].in_flight, replicas[1].in_flight = 2000.0, 2, 1
+    # Twice as fast with twice the requests: the same for its speed; the faster one's predicted
+    # time is shorter, so it is the pick (the count breaks ties only within the prediction's error).
+    assert picks() == {"r0"}
