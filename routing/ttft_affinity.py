@@ -463,8 +463,8 @@ class TTFTAffinity:
             # Without it, a decode-bound fleet of cold prompts looked the same everywhere and
             # split by the keys' hashes: the fairness benchmark's quiet tenant had a p95 of 123 ms
             # at its share, 28 ms with it (docs/benchmarks/fairness.md).
-            load = [load_now(r) / speed[i] for i, r in enumerate(order)]
-            first = min((i for i in fits if cost[i] <= best + band), key=lambda i: (uncached[i], load[i], cost[i], i))
+            first = min((i for i in fits if cost[i] <= best + band),
+                        key=lambda i: (uncached[i], load_now(order[i]) / speed[i], cost[i], i))
             rest = sorted((i for i in fits if i != first), key=lambda i: (cost[i], uncached[i], i))
             picks = [first] + rest
         else:
@@ -590,7 +590,7 @@ class TTFTAffinity:
         """Each replica's pool size as scraped and its rate as priced now, for the facts about it
         (``learn_remote``)."""
         sizes, known = self._kv_tokens, self._rates
-        if len(sizes) > MAX_REPLICA_IDS:  # names come and go (DNS pods): start afresh, as ``bits`` does
+        if len(known) > MAX_REPLICA_IDS:  # names come and go (DNS pods): start afresh, as ``bits`` does
             sizes.clear()
             known.clear()
         for r, rate in zip(replicas, rates):

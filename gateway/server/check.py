@@ -13,9 +13,9 @@ or ``skip`` when the config does not ask for it:
 * **block size**: where the replica publishes KV events, its block size equals
   ``routing.block_size`` (precise routing keys token ids by it);
 * **kv events**: its PUB and replay endpoints accept a connection;
-* **seats**: its ``max_in_flight`` (vLLM's --max-num-seqs), which ``ttft``
-  needs to price a wait for a sequence slot and vLLM does not report (``skip``
-  with the advice where it is not configured);
+* **seats**: its ``max_in_flight`` (vLLM's --max-num-seqs, which vLLM does not
+  report): admission's capacity, and what ``ttft`` needs to price a wait for a
+  sequence slot (``skip`` with the advice where it is not configured);
 * **role**: its part in a P/D fleet (``role``: prefill, decode or both), as
   configured: vLLM's ``/metrics`` does not say which KV connector runs;
 * **scheduling**: the replica's ``scheduling_policy`` as configured (vLLM's
@@ -163,26 +163,25 @@ def check_replica(r: ReplicaSettings, settings: Settings, client: httpx.Client,
         add(name, "ok" if why is None else "FAIL", endpoint if why is None else
             f"{endpoint}: {why} (vLLM's --kv-events-config endpoint/replay_endpoint, and the network path)")
     add("role", "ok", _ROLES[r.role])
-    add_seats(add, r, settings)
+    add_seats(add, r)
     add_scheduling(add, r, sorted(served), client, headers)
     for model in sorted(m for m in settings.routing.tokenizers if m in served):
         add_tokens(add, model, client, r.url, headers, tokenizer)
     return out
 
 
-def add_seats(add: Callable[..., None], r: ReplicaSettings, settings: Settings) -> None:
-    """Whether ``ttft`` can price a wait for a sequence slot here: only with the replica's seats
-    told (``max_in_flight``: vLLM's --max-num-seqs, which its ``/metrics`` does not carry). Without
-    them, requests queued for a slot are priced as prefill, and a replica whose pool is warm for a
-    shared prompt can gather a queue (docs/benchmarks/routing-ttft.md: precise mode's tail on
+def add_seats(add: Callable[..., None], r: ReplicaSettings) -> None:
+    """Whether the replica's seats are told (``max_in_flight``: vLLM's --max-num-seqs, which its
+    ``/metrics`` does not carry). Admission takes them as its capacity (else it learns them from
+    the replica's queues), and ``ttft`` prices a wait for a sequence slot only with them: without,
+    requests queued for a slot are priced as prefill, and a replica whose pool is warm for a shared
+    prompt can gather a queue (docs/benchmarks/routing-ttft.md: precise mode's tail on
     conversations). Advice, not a failure: nothing is wrong until its seats run out."""
     if r.max_in_flight is not None:
         add("seats", "ok", f"max_in_flight {r.max_in_flight} (configured)")
-    elif settings.routing.policy == "ttft":
-        add("seats", "skip", "max_in_flight not configured: set it to the replica's --max-num-seqs, so routing "
-            "prices the wait for a sequence slot")
     else:
-        add("seats", "skip", f"not configured (routing.policy {settings.routing.policy} does not read it)")
+        add("seats", "skip", "max_in_flight not configured: set it to the replica's --max-num-seqs, so that "
+            "admission need not learn the seats from its queues and ttft prices the wait for one")
 
 
 def add_scheduling(add: Callable[..., None], r: ReplicaSettings, served: list[str], client: httpx.Client,
