@@ -20,6 +20,9 @@ they are measured in turn, cell by cell.
                                              # the same with kvgate on a core of its own (see --pin)
     python -m bench.overhead --policy round_robin prefix_affinity --prompt-tokens 4096 --repeat 3 --pin --interpreted
                                              # and beside them prefix_affinity with routing interpreted
+    python -m bench.overhead --policy round_robin ttft ttft+redis --prompt-tokens 4096 --repeat 3 --pin
+                                             # ttft given a redis_url (--redis-url, else a private
+                                             # redis-server): its routing facts published, by default
 
 Each kvgate routes over ``--replicas`` replicas (default 4, names on the one
 upstream), so a policy has a choice to make. ``--repeat R`` measures every
@@ -48,6 +51,8 @@ from bench.loadgen import build_request, percentile, run_load
 ROOT = Path(__file__).resolve().parent.parent
 _TURNS = 256  # distinct user turns per prompt case
 _ADMIN_TOKEN = "overhead-bench-admin"
+# A policy named with this suffix runs with a redis_url (``--redis-url``, else a private redis-server).
+REDIS = "+redis"
 _TOKENS_PER_WORD = 1.28  # system_prompt's words, measured with MiniLM's WordPiece tokenizer
 
 
@@ -81,6 +86,7 @@ class Target:
     workers: int = 1
     interpreted: bool = False  # routing from source, not compiled (routing._native)
     admin_port: int = 0  # its admin API, read for what routing cost inside it (GET /admin/routing)
+    redis_url: str | None = None  # policy "X+redis": X with this redis_url (ttft shares its facts through it)
 
 
 def start_upstream(port: int) -> subprocess.Popen[bytes]:
@@ -95,7 +101,9 @@ def start_gateway(target: Target, upstream_port: int, replicas: int) -> subproce
     cfg = Path(tempfile.mkdtemp()) / "kvgate.yaml"
     names = ["fast"] if replicas == 1 else [f"fast{i}" for i in range(replicas)]
     fleet = ", ".join(f"{{name: {n}, url: 'http://127.0.0.1:{upstream_port}', models: [sim-model]}}" for n in names)
-    routing = f"routing: {{policy: {target.policy}}}\n" if target.policy else ""
+    routing = f"routing: {{policy: {target.policy.removesuffix(REDIS)}}}\n" if target.policy else ""
+    if target.redis_url:
+        routing += f"redis_url: '{target.redis_url}'\n"
     admin = (f"admin: {{port: {target.admin_port}, token: {_ADMIN_TOKEN}}}\n" if target.admin_port
              else "admin: {enabled: false}\n")
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {target.port}}}\n{admin}"
@@ -291,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-words", type=int, help="the words of the short system prompt case (200)")
     p.add_argument("--modes", nargs="+", choices=["unary", "stream"])
     p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--redis-url", default=None, help=f"the Redis of policies named X{REDIS} (default: a private one)")
     p.add_argument("--endpoints", nargs="+", choices=sorted(ENDPOINTS), default=["chat"],
                    help="routes measured side by side, each cell in turn")
     p.add_argument("--repeat", type=int, default=1, help="measure each cell this often; print medians")
@@ -304,16 +313,23 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency = [1] if args.policy else [256] if args.workers != [1] else [1, 32, 256]
     up_port = _free_port()
     targets = [Target("direct", up_port)]
+    redis = None
+    if any(x.endswith(REDIS) for x in args.policy or []) and not args.redis_url:
+        from bench.chaos_fleet import RedisProc
+
+        redis = RedisProc().start()
+        args.redis_url = redis.url
     for policy in args.policy or [None]:
         for w in args.workers:
             name = f"kvgate {policy}" if policy else "kvgate"
             if args.workers != [1]:
                 name += f", {w} worker{'s' * (w > 1)}"
             admin = _free_port() if policy else 0
-            targets.append(Target(name, _free_port(), policy, w, admin_port=admin))
+            url = args.redis_url if policy and policy.endswith(REDIS) else None
+            targets.append(Target(name, _free_port(), policy, w, admin_port=admin, redis_url=url))
             if args.interpreted and policy != "round_robin":
                 targets.append(Target(f"{name}, interpreted", _free_port(), policy, w, interpreted=True,
-                                      admin_port=_free_port()))
+                                      admin_port=_free_port(), redis_url=url))
     procs = [start_upstream(up_port)]
     try:
         gateways = {t.label: start_gateway(t, up_port, args.replicas) for t in targets[1:]}
@@ -326,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
         for proc in procs:
             proc.wait(30)
+        if redis is not None:
+            redis.kill()
     return 0
 
 

@@ -45,7 +45,15 @@ heavy organisations as replicas, 8 closed-loop clients, a few hundred
 requests), ``heavy_orgs_burst`` its ``heavy4-burst16`` (16 clients in bursts
 of 1 s every 3 s), ``orgs_layered`` its ``layered-4orgs-closed8``
 (organisation-layered prompts, 4 organisations on 4 replicas, 8 clients);
-``--seed`` picks the draw. ``--clients N`` (and ``--burst ON OFF``) replays
+Any other closed-loop family of the suite runs by its own name, on its own
+number of replicas (``chat-closed32`` on 8), so the real peers can be set
+beside kvgate on families nothing was tuned on:
+
+    python -m bench.routing_e2e --workloads layered-8orgs-closed8 layered-16orgs-closed8 --seeds 2 3 \
+        --policies round_robin least_load prefix_affinity ttft smg:cache_aware vllm-router:cache_aware
+
+``--seeds`` picks the draws, each a run of its own (``family/sN`` in the
+table). ``--clients N`` (and ``--burst ON OFF``) replays
 any workload closed loop instead. Besides hit ratio (the replicas' counters
 and ``cached_tokens``), TTFT p50 and p95, the table shows max/mean
 per-replica request counts over the run (each replica's own count of the
@@ -87,6 +95,7 @@ from bench.routing_replay import Usage, replay, summarise
 from bench.smg import SMG_POLICIES, smg_binary, start_smg
 from bench.vllm_router import VLLM_ROUTER_POLICIES, start_vllm_router, vllm_router_binary
 from bench.workloads import ClosedLoop, Request, Workload
+from bench.workloads.generated import FAMILIES, Family
 from gateway.proxy.pool import parse_vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,13 +112,23 @@ MAX_TOKENS = 32
 SIM_FLAGS = {"prefill_s_per_token": 0.00005, "decode_base_s": 0.005, "max_num_seqs": 16}
 
 
-def build(name: str, args: argparse.Namespace) -> Workload:
-    if name in GENERATED:
-        from bench.workloads.generated import FAMILIES
+def family_of(name: str) -> Family | None:
+    """The generated suite's family a workload name stands for (an alias above or a family's own name)."""
+    return next((f for f in FAMILIES if f.name == GENERATED.get(name, name)), None)
+
+
+def replicas_for(name: str) -> int:
+    """The replicas a workload runs on: a generated family's own, else 4 (the routing benchmark's fleet)."""
+    family = family_of(name)
+    return family.replicas if family is not None else 4
+
+
+def build(name: str, args: argparse.Namespace, seed: int = 1) -> Workload:
+    family = family_of(name)
+    if family is not None:
         from bench.workloads.generated import build as generated
 
-        family = next(f for f in FAMILIES if f.name == GENERATED[name])
-        return generated(family, args.seed, args.requests)
+        return generated(family, seed, args.requests)
     if name == "shared_prefix":
         from bench.workloads.shared_prefix import build as shared
 
@@ -281,19 +300,38 @@ async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: 
         counts = request_counts(sims)
         summary.update(policy=policy, fleet_hit_ratio=fleet_ratio([s.url for s in sims]), wall_s=wall,
                        requests_per_replica=counts, max_over_mean_requests=max_over_mean(counts))
+        if redis_url and policy in (SHARED, TTFT_SHARED):
+            summary["facts_stream"] = facts_stream(redis_url)
         return summary
     finally:
         for gw in gws:
             _kill(gw.proc)
 
 
-HEADER = (f"{'workload':<18}{'policy':<28}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
+HEADER = (f"{'workload':<28}{'policy':<28}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
           f"{'ttft p50':>10}{'ttft p95':>10}{'req max/mean':>14}  {'requests per replica':<22}{'errors':>7}")
+
+
+def facts_stream(url: str) -> dict[str, int]:
+    """What the routing facts keep in the Redis (``gateway.routing_sync``: a capped stream per fleet),
+    read at the end of a run; the streams are deleted after, so the next row starts empty."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        keys = list(r.scan_iter(match="kvgate:routing:facts*"))
+        out = {"entries": sum(int(r.xlen(k)) for k in keys),
+               "bytes": sum(int(r.memory_usage(k, samples=0) or 0) for k in keys)}
+        if keys:
+            r.delete(*keys)
+        return out
+    finally:
+        r.close()
 
 
 def _row(name: str, r: dict[str, Any]) -> str:
     counts = "/".join(str(c) for c in r["requests_per_replica"])
-    return (f"{name:<18}{r['policy']:<28}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
+    return (f"{name:<28}{r['policy']:<28}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
             f"{r['ttft_p50_s'] * 1000:>8.0f}ms{r['ttft_p95_s'] * 1000:>8.0f}ms{r['max_over_mean_requests']:>14.2f}"
             f"  {counts:<22}{r['errors']:>7}")
 
@@ -301,15 +339,19 @@ def _row(name: str, r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
-    p.add_argument("--workloads", nargs="+", default=["shared_prefix", "mtbench"], choices=WORKLOADS)
+    p.add_argument("--workloads", nargs="+", default=["shared_prefix", "mtbench"],
+                   choices=WORKLOADS + [f.name for f in FAMILIES if f.closed_loop is not None],
+                   help="the names above, or any closed-loop family of the generated suite (bench.routing_suite)")
     p.add_argument("--policies", nargs="+", default=POLICIES)
-    p.add_argument("--seed", type=int, default=1, help="the draw of the generated heavy_orgs workloads")
+    p.add_argument("--seeds", "--seed", dest="seeds", type=int, nargs="+", default=[1],
+                   help="the draws of the generated workloads (each a run of its own; the others ignore it)")
     p.add_argument("--clients", type=int, default=0,
                    help="replay closed loop: this many clients, each sending its next request when the last completes")
     p.add_argument("--burst", type=float, nargs=2, metavar=("ON_S", "OFF_S"), default=None,
                    help="with --clients: send only during ON_S of every ON_S + OFF_S seconds")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="routing_e2e.json goes here")
-    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=0,
+                   help="replicas (default: a generated family's own, else 4; one count for every workload of a run)")
     p.add_argument("--requests", type=int, default=320)
     p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (before --speed)")
     p.add_argument("--speed", type=float, default=1.0)
@@ -325,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precise", action="store_true",
                    help=f"replicas with a real tokenizer and KV events, and a '{PRECISE}' row beside 'prefix_affinity'")
     args = p.parse_args(argv)
+    counts = {replicas_for(w) for w in args.workloads}
+    if not args.replicas and len(counts) > 1:
+        p.error(f"these workloads run on different fleets ({sorted(counts)} replicas): run them separately")
+    args.replicas = args.replicas or counts.pop()
     if args.precise:
         args.policies += [x for x in ("prefix_affinity", PRECISE) if x not in args.policies]
     elif PRECISE in args.policies:
@@ -340,9 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     if {SHARED, TTFT_SHARED} & set(args.policies) and args.redis_url is None:
         redis = RedisProc().start()
         args.redis_url = redis.url
-    workloads = {name: build(name, args) for name in args.workloads}
+    # One run per generated workload and seed ("family/sN"); the others once.
+    workloads = {(f"{name}/s{seed}" if family_of(name) else name): build(name, args, seed)
+                 for name in args.workloads for seed in (args.seeds if family_of(name) else args.seeds[:1])}
     pools = {name: workload_pool(w, args) for name, w in workloads.items()}
-    flags = {"kv_blocks": pools[args.workloads[0]].blocks, **SIM_FLAGS}
+    flags = {"kv_blocks": next(iter(pools.values())).blocks, **SIM_FLAGS}
     names = [f"r{i + 1}" for i in range(args.replicas)]
     args.tokenizer = tokenizer_dir() if args.precise else None
     sims = start_event_sims(names, flags, args.tokenizer) if args.precise else start_sims(names, flags)
@@ -357,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                 reset(sims)
                 r = asyncio.run(run_policy(policy, workload, sims, workdir, args, args.redis_url))
                 print(_row(name, r), flush=True)
+                if "facts_stream" in r:
+                    print(f"{'':<28}{'':<28}routing facts in Redis at the end: {r['facts_stream']['entries']} "
+                          f"entries, {r['facts_stream']['bytes'] / 1e6:.1f} MB", flush=True)
                 out.append({"workload": name, "description": workload.description, "pool_tokens": pool.kv_tokens,
                             "working_set_tokens": pool.working_set, **r})
         args.out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+import xxhash
 
 from routing.gossip import Gossip, decode, encode
 
@@ -33,9 +35,20 @@ log = logging.getLogger("kvgate.routing")
 STREAM = "kvgate:routing:facts"
 
 
+def stream_for(fleet: Iterable[str]) -> str:
+    """The stream of one fleet's facts, named by its replicas' addresses (and DNS name) as the
+    configuration gives them: every instance of a deployment shares it, and another deployment
+    on the same Redis, whose replicas may carry the same names, neither reads nor pollutes it
+    (a fact names a replica by name, and a foreign backlog would look like a queue here)."""
+    digest = xxhash.xxh64_hexdigest("\n".join(sorted(fleet)).encode())
+    return f"{STREAM}:{digest[:12]}"
+
+
 class RoutingSync:
-    def __init__(self, policy: Callable[[], Any], client: Any, tail: Any, *, flush_s: float = 0.05,
-                 block_ms: int = 1000, maxlen: int = 200, batch: int = 100, retry_s: float = 1.0) -> None:
+    def __init__(self, policy: Callable[[], Any], client: Any, tail: Any, *, stream: str = STREAM,
+                 flush_s: float = 0.05, block_ms: int = 1000, maxlen: int = 200, batch: int = 100,
+                 retry_s: float = 1.0) -> None:
+        self.stream = stream
         self._policy = policy  # the runtime's current policy (an admin change replaces it)
         self._r = client  # publishes (the runtime's client; the runtime closes it)
         self._tail = tail  # blocks in XREAD: owned here, with a read timeout above block_ms
@@ -66,7 +79,7 @@ class RoutingSync:
             # at batch / flush_s facts a second, and block facts come one per request.
             while gossip is not None and (facts := gossip.drain(self._batch)):
                 try:
-                    await self._r.xadd(STREAM, {"src": self.me, "facts": encode(facts)},
+                    await self._r.xadd(self.stream, {"src": self.me, "facts": encode(facts)},
                                        maxlen=self._maxlen, approximate=True)
                     self._recovered()
                 except Exception as e:  # the loop never dies: sharing is a hint
@@ -84,7 +97,7 @@ class RoutingSync:
             try:
                 # At most 50 entries a read (5,000 facts; under 17 MB however large the block
                 # facts): a backlog is caught up over several reads, none of them huge.
-                reply = await self._tail.xread({STREAM: last}, count=50, block=self._block)
+                reply = await self._tail.xread({self.stream: last}, count=50, block=self._block)
                 self._recovered()
             except Exception as e:
                 self._fault("tail", e)

@@ -28,7 +28,7 @@ from routing.tokenization import Tokenization
 from gateway.observe.endpoint_stats import EndpointStats
 from . import redis_client
 from gateway.observe.metrics import Metrics
-from .routing_sync import RoutingSync
+from .routing_sync import RoutingSync, stream_for
 from gateway.proxy.admission import Admission
 from gateway.proxy.disagg import Disagg
 from gateway.proxy.pool import PoolEvents, Replica, ReplicaPool
@@ -193,12 +193,19 @@ class Runtime:
 
     def make_policy(self, routing: RoutingSettings) -> RoutingPolicy:
         """A fresh policy for ``routing`` (at start-up, and when an operator changes routing)."""
-        if routing.share_index and self.settings.redis_url is None:
+        share = routing.share_index
+        if share is None:
+            # Unset: ttft shares its block facts wherever there is a channel. Several instances
+            # with one Redis then keep one instance's reuse and tail; sharing nothing they lose
+            # part of the reuse and much of the tail (docs/benchmarks/routing-ttft.md). Key facts
+            # (prefix_affinity) did not pay, so they stay asked for.
+            share = self.settings.redis_url is not None and routing.policy == "ttft"
+        elif share and self.settings.redis_url is None:
             # Sharing without a channel would place new keys where other instances
             # cannot follow: route as an instance that shares nothing.
             log.warning("routing.share_index needs redis_url; routing on this instance's knowledge only")
-            routing = routing.model_copy(update={"share_index": False})
-        return make_policy(routing, truth=self.kv_events)
+            share = False
+        return make_policy(routing.model_copy(update={"share_index": share}), truth=self.kv_events)
 
     def make_prefill_policy(self, routing: RoutingSettings) -> RoutingPolicy:
         """The policy of P/D prefill legs: its own ``ttft`` instance (routing.prefill_pick), which
@@ -236,7 +243,8 @@ class Runtime:
         timeout = self.settings.redis_timeout_s
         # The tail blocks in XREAD for up to a second: its own connection, read timeout above that.
         tail = redis_client.connect(url.get_secret_value(), timeout_s=timeout, read_timeout_s=timeout + 1.0)
-        self.routing_sync = RoutingSync(lambda: self.policy, self.redis, tail)
+        fleet = [r.url for r in self.settings.replicas] + [self.settings.routing.dns_name or ""]
+        self.routing_sync = RoutingSync(lambda: self.policy, self.redis, tail, stream=stream_for(fleet))
         self.spawn(self.routing_sync.run())
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:

@@ -61,10 +61,12 @@ class RoutingSettings(_Section):
     # (prefix_affinity only: ttft has no count bound.)
     epsilon: float = Field(0.25, ge=0, le=10)
     # Share where keys live with the other gateway instances through Redis
-    # (routing.gossip; ignored, with a warning, without redis_url): where each
+    # (routing.gossip; true is ignored, with a warning, without redis_url): where each
     # placed a key away from its home, and which replica was found to hold one;
     # with policy ttft, every placement with its prompt's block hashes (block facts).
-    share_index: bool = False
+    # Unset: on with policy ttft wherever redis_url is set (several instances with a
+    # Redis keep one instance's reuse and tail only with block facts), off otherwise.
+    share_index: bool | None = None
     # The prefill rate that drains the queue of prompt tokens this instance sent each
     # replica (routing.backlog). Only the order between replicas matters, so a rough
     # figure for the fleet's engines will do.

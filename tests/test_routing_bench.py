@@ -142,3 +142,35 @@ def test_a_replica_at_half_speed_learns_half_the_rate_and_ttft_gives_it_less_col
     assert float(heavy["round_robin"][4]) > 0.8 and float(heavy["ttft"][4]) < 0.5
     layered = table("layered-8orgs-closed8")  # and on organisation-layered traffic
     assert float(layered["round_robin"][4]) > 0.9 and float(layered["ttft"][4]) < 0.65
+
+
+def test_end_to_end_runs_any_closed_loop_family_on_its_own_fleet_and_refuses_mixed_fleets() -> None:
+    from bench import routing_e2e
+
+    args = argparse.Namespace(requests=40)
+    # The untuned suite's families run end to end by name, each seed a draw of its own.
+    assert routing_e2e.replicas_for("chat-closed32") == 8 and routing_e2e.replicas_for("shared_prefix") == 4
+    assert routing_e2e.family_of("orgs_layered").name == "layered-4orgs-closed8"
+    two, three = (routing_e2e.build("layered-8orgs-closed8", args, seed) for seed in (2, 3))
+    assert two.closed_loop is not None and two.closed_loop.clients == 8
+    assert len(two.requests) == 40 and two.requests[0].kv_hashes != three.requests[0].kv_hashes
+    with pytest.raises(SystemExit):
+        routing_e2e.main(["--workloads", "chat-closed32", "heavy4-closed8"])
+
+
+def test_end_to_end_reads_and_clears_the_routing_facts_a_run_left_in_redis(private_redis) -> None:
+    import redis
+
+    from bench import routing_e2e
+
+    r = redis.Redis.from_url(private_redis.url)
+    try:
+        r.xadd("kvgate:routing:facts:abc", {"src": "x", "facts": "[]"})
+        r.xadd("kvgate:routing:facts:abc", {"src": "x", "facts": "[]"})
+        r.set("kvgate:sc:other", "kept")
+        seen = routing_e2e.facts_stream(private_redis.url)
+        assert seen["entries"] == 2 and seen["bytes"] > 0
+        assert routing_e2e.facts_stream(private_redis.url) == {"entries": 0, "bytes": 0}
+        assert r.get("kvgate:sc:other") == b"kept"
+    finally:
+        r.close()

@@ -294,6 +294,50 @@ def test_sharing_without_redis_shares_nothing_and_says_so(caplog: pytest.LogCapt
         stack.close()
 
 
+@pytest.mark.parametrize("routing, with_redis, shares", [
+    ({}, True, True),  # the default policy (ttft) with a Redis: its block facts are shared
+    ({}, False, False),  # no channel: nothing to share, and nothing to warn about
+    ({"share_index": False}, True, False),  # asked not to
+    ({"policy": "prefix_affinity"}, True, False),  # key facts did not pay: only when asked
+    ({"policy": "prefix_affinity", "share_index": True}, True, True),
+])
+def test_sharing_is_on_where_ttft_has_a_redis_unless_configured(
+        routing: dict[str, object], with_redis: bool, shares: bool, redis_service: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    stack = start_stack(2, routing=routing, **({"redis_url": redis_service} if with_redis else {}))
+    try:
+        assert (getattr(stack.runtime.policy, "gossip", None) is not None) is shares
+        assert "share_index needs redis_url" not in caplog.text
+        assert ("shared_facts" in operations.routing_stats(stack.runtime)) is shares
+    finally:
+        stack.close()
+
+
+def test_two_fleets_on_one_redis_keep_their_facts_apart(redis_service: str) -> None:
+    # Two deployments (each its own replicas, under the same names r1, r2) on one Redis: a fact
+    # names a replica by name, so the other fleet's would be read as news of its own replicas,
+    # and its backlog as a queue here. Instances of one deployment (the same replicas) share.
+    first = start_stack(2, redis_url=redis_service)
+    other = start_stack(2, redis_url=redis_service)
+    twin = ServerThread(build_app(load_settings(environ={}, overrides={
+        "redis_url": redis_service, "pool": first.settings.pool.model_dump(),
+        "replicas": [{"name": n, "url": first.sim_url(n)} for n in first.sims]}))).start()
+    try:
+        sent = first.runtime.policy.gossip
+        heard_by_twin = twin.config.app.state.runtime.policy.gossip
+        heard_by_other = other.runtime.policy.gossip
+        assert sent is not None and heard_by_twin is not None and heard_by_other is not None
+        client = openai.OpenAI(base_url=first.base_url, api_key="none", max_retries=0)
+        fresh = itertools.count(20_000)
+        # The twin tails the stream from when it starts: ask until it hears.
+        assert _wait(lambda: _ask(client, next(fresh), 1) and heard_by_twin.applied > 0)
+        assert sent.published > 0 and heard_by_other.applied == 0
+    finally:
+        twin.stop()
+        other.close()
+        first.close()
+
+
 def _ask(client: openai.OpenAI, i: int, turns: int) -> str:
     body = conversation(i, turns).body
     raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2, messages=body["messages"])

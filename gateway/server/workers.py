@@ -3,7 +3,7 @@
 Each worker is a whole kvgate (``kvgate serve`` with a hidden ``--worker-id``):
 its own runtime, pool and routing policy. They agree on routing the way
 separate kvgate instances do (rendezvous order over the same membership, the
-same scraped load, and ``routing.share_index`` through Redis when it is on);
+same scraped load, and ``routing.share_index`` through Redis when a ``redis_url`` is set);
 nothing is shared between them in memory.
 
 One port, several processes: each worker listens on its own ``SO_REUSEPORT``

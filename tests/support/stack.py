@@ -82,7 +82,7 @@ def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[
                 admin_token: str | None = None, span_exporter: Any = None, embedding_loader: Any = None,
                 roles: dict[str, str] | None = None, **overrides: Any) -> Stack:
     """Start ``n`` simulated replicas r1..rN and a kvgate routing to them, with kvgate's default
-    routing policy (prefix_affinity) unless ``routing`` says otherwise.
+    routing policy (ttft) unless ``routing`` says otherwise.
 
     ``embedding_loader`` replaces the semantic cache's model loader (see ``Runtime``); by default
     the run's one loaded MiniLM (``tests.support.minilm``). ``roles``: the P/D role of named
