@@ -96,20 +96,27 @@ Fact = Union[KeyFact, BlockFact]
 
 
 class Gossip:
-    """The facts this instance has not published yet (oldest dropped past ``capacity``)."""
+    """The facts this instance has not published yet (oldest dropped past ``capacity``).
 
-    __slots__ = ("_out", "published", "applied")
+    ``listening``: whether another instance is there to hear them. The carrier clears it while
+    it hears no other (``gateway.routing_sync``): then nothing is noted, and a lone instance with
+    a Redis pays nothing for facts nobody would read (a third of a millisecond of CPU a request,
+    publishing and reading its own facts back: docs/benchmarks/routing-ttft.md, ninth stop)."""
+
+    __slots__ = ("_out", "published", "applied", "listening")
 
     def __init__(self, capacity: int = 10_000) -> None:
         self._out: deque[Fact] = deque(maxlen=capacity)
         self.published = 0
         self.applied = 0
+        self.listening = True
 
     def __len__(self) -> int:
         return len(self._out)
 
     def note(self, kind: str, key: int, replica: str) -> None:
-        self._out.append(KeyFact(kind, key, replica))
+        if self.listening:
+            self._out.append(KeyFact(kind, key, replica))
 
     def note_blocks(self, key: int, replica: str, blocks: int, hashes: Sequence[int], uncached: int = 0,
                     token: int = 0) -> None:
@@ -118,6 +125,8 @@ class Gossip:
         if not 0 < len(hashes) <= MAX_HASHES:
             # Only the index knows which shorter chain a prefix of the positions stands for.
             raise ValueError("hashes: 1 to MAX_HASHES, capped by BlockIndex.recorded")
+        if not self.listening:
+            return
         self._out.append(BlockFact(BLOCKS, key, replica, blocks, tuple(hashes),
                                    min(max(0, uncached), _MAX_TOKENS), token & _MASK))
 
@@ -127,6 +136,10 @@ class Gossip:
             out.append(self._out.popleft())
         self.published += len(out)
         return out
+
+    def clear(self) -> None:
+        """Drop what is pending, unpublished (the last other instance went away)."""
+        self._out.clear()
 
 
 def encode(facts: Sequence[Fact]) -> str:

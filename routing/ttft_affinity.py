@@ -278,7 +278,7 @@ class TTFTAffinity:
             return
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
         bit = self.bits.bit_for(feedback.replica, self.index)
-        if self.gossip is not None:  # served elsewhere than sent (a retry): a placement too
+        if self.gossip is not None and self.gossip.listening:  # served elsewhere than sent (a retry): a placement too
             self._publish(info, route, feedback.replica)
         self._hold(info, route, bit, None)
 
@@ -388,7 +388,7 @@ class TTFTAffinity:
         # prompt, about a flush late: nothing is presumed of them (no home, no astray, the whole
         # pool modelled). Presumed on top of the facts, every replica an instance's anchor named
         # would be credited twice over (the sixth and seventh stops of the benchmark page).
-        share = 0.0 if self.gossip is not None else others
+        share = 0.0 if self.gossip is not None and self.gossip.listening else others
         home = 0
         if share > 0.0:
             # Only where another instance has a share: alone, nothing is presumed, and an
@@ -564,7 +564,7 @@ class TTFTAffinity:
         bit = self.bits.bit_for(chosen.name, self.index)
         if chosen is not home:
             self.moved += 1
-        if self.gossip is not None:
+        if self.gossip is not None and self.gossip.listening:
             token = self._next_token = (self._next_token + 2) & 0xFFFFFFFFFFFFFFFF  # odd: never 0
             request.scratch[_TOKEN] = token
             self._publish(info, route, chosen.name, uncached, token)

@@ -93,6 +93,17 @@ def test_garbage_on_the_wire_is_skipped_not_raised(text: str | bytes) -> None:
         (PLACED, 255, "r2")]
 
 
+def test_with_no_one_listening_nothing_is_noted_and_what_was_pending_is_dropped() -> None:
+    gossip = Gossip()
+    gossip.note(HELD, 1, "r")
+    gossip.listening = False
+    gossip.note(HELD, 2, "r")
+    gossip.note_blocks(3, "r", 1, [7], 10, 5)
+    assert len(gossip) == 1
+    gossip.clear()
+    assert gossip.drain() == [] and gossip.published == 0
+
+
 def test_the_outbox_is_bounded_and_drains_in_order() -> None:
     gossip = Gossip(capacity=3)
     for i in range(5):
@@ -215,7 +226,10 @@ async def _carry(url: str) -> tuple[TTFTAffinity, TTFTAffinity, int, str]:
              for p in (a, b)]
     tasks = [asyncio.ensure_future(s.run()) for s in syncs]
     replicas = _fleet(kv_tokens=1e6)
-    b.prefer(conversation(99_999), replicas)  # b has seen the pools
+    # b has seen the pools; its request's first token came (its block fact and DONE reach a
+    # together, or neither does if b hears no one yet: either way nothing stays queued in a).
+    seen = conversation(99_999)
+    b.started(seen, b.prefer(seen, replicas)[0].name)
     try:
         # b tails the stream from when its read starts: each poll places a new conversation
         # (a fact published before that is not replayed).
@@ -332,6 +346,14 @@ def test_two_fleets_on_one_redis_keep_their_facts_apart(redis_service: str) -> N
         # The twin tails the stream from when it starts: ask until it hears.
         assert _wait(lambda: _ask(client, next(fresh), 1) and heard_by_twin.applied > 0)
         assert sent.published > 0 and heard_by_other.applied == 0
+        # The other fleet's one instance hears no one on its stream: it notes and publishes no
+        # facts (only its heartbeat), so a lone instance with a Redis costs what sharing nothing does.
+        alone = openai.OpenAI(base_url=other.base_url, api_key="none", max_retries=0)
+        for i in range(5):
+            _ask(alone, i, 1)
+        assert heard_by_other.published == 0 and len(heard_by_other) == 0 and not heard_by_other.listening
+        assert operations.routing_stats(other.runtime)["shared_facts"]["instances_heard"] == 0
+        assert operations.routing_stats(first.runtime)["shared_facts"]["instances_heard"] == 1
     finally:
         twin.stop()
         other.close()

@@ -80,6 +80,8 @@ def routing_stats(rt: Runtime) -> dict[str, Any]:
     out["tokenization"] = rt.tokenization.stats(configured + rt.pool.models(healthy_only=False))
     if rt.routing_sync is not None and isinstance(out.get("shared_facts"), dict):
         out["shared_facts"]["failing"] = rt.routing_sync.failing
+        # Other instances heard on the fleet's stream: none, and this one publishes no facts.
+        out["shared_facts"]["instances_heard"] = rt.routing_sync.heard()
     return out
 
 
