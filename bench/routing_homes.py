@@ -109,13 +109,13 @@ class _Instances:
 @contextmanager
 def _nothing_presumed(on: bool) -> Iterator[None]:
     """With one index, the others' share of the queues is taken as 0: what they sent is in it."""
-    others = ttft_module._others
+    others = ttft_module.waiting_and_share
     if on:
-        ttft_module._others = lambda replicas: (others(replicas)[0], 0.0)
+        ttft_module.waiting_and_share = lambda replicas: (others(replicas)[0], 0.0)  # type: ignore[assignment]
     try:
         yield
     finally:
-        ttft_module._others = others
+        ttft_module.waiting_and_share = others  # type: ignore[assignment]
 
 
 def run(family_name: str, seed: int, instances: int,

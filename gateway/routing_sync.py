@@ -20,7 +20,7 @@ the tail notes which other instances it heard; while none was heard within
 three heartbeats, the policy notes no facts (``Gossip.listening``) and nothing
 but the heartbeat is published. A lone instance with a Redis then costs what
 it did sharing nothing: publishing every placement and reading it back cost it
-a third of a millisecond of CPU a request (docs/benchmarks/routing-ttft.md,
+0.2-0.3 ms of CPU a request (docs/benchmarks/routing-ttft.md,
 ninth stop). A second instance is heard within a heartbeat and a read.
 
 A Redis fault costs only the sharing: the loop logs once per outage, drops

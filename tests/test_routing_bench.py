@@ -174,3 +174,22 @@ def test_end_to_end_reads_and_clears_the_routing_facts_a_run_left_in_redis(priva
         assert r.get("kvgate:sc:other") == b"kept"
     finally:
         r.close()
+
+
+def test_the_homes_diagnostic_runs_its_oracle_rows_interpreted() -> None:
+    # bench.routing_homes replaces a routing function for its oracle rows, so it runs interpreted;
+    # a renamed function once broke it unseen.
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.routing_homes", "--families", "heavy4-closed8", "--seeds", "1",
+         "--rows", "none", "index"], check=False, cwd=root, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "KVGATE_INTERPRETED": "1", "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| heavy4-closed8 | 1 |")]
+    assert [r[3].strip() for r in rows] == ["ttft", "ttft x4", "ttft x4, one index"]
+    # The oracle gives the instances something: a different run from sharing nothing.
+    assert rows[1][4:7] != rows[2][4:7]
