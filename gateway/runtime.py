@@ -91,6 +91,7 @@ class Runtime:
         self.client = make_client(settings, self.transport)
         self.metrics = Metrics(lambda: self.pool, cache=lambda: self.cache, policy=lambda: self.policy,
                                kv_events=lambda: self.kv_events, admission=lambda: self.admission,
+                               routing_sync=lambda: self.routing_sync,
                                multiprocess_dir=worker.metrics_dir if worker else None)
         self.tracing = Tracing(otlp_endpoint=settings.otlp_endpoint, exporter=span_exporter)
         self.pool = ReplicaPool(settings.pool, self.client, settings.replicas,

@@ -354,6 +354,10 @@ def test_two_fleets_on_one_redis_keep_their_facts_apart(redis_service: str) -> N
         assert heard_by_other.published == 0 and len(heard_by_other) == 0 and not heard_by_other.listening
         assert operations.routing_stats(other.runtime)["shared_facts"]["instances_heard"] == 0
         assert operations.routing_stats(first.runtime)["shared_facts"]["instances_heard"] == 1
+        metrics = httpx.get(first.url + "/metrics", timeout=5).text
+        assert "kvgate_routing_facts_instances_heard 1.0" in metrics
+        assert "kvgate_routing_facts_published_total 0.0" not in metrics
+        assert "kvgate_routing_facts_instances_heard 0.0" in httpx.get(other.url + "/metrics", timeout=5).text
     finally:
         twin.stop()
         other.close()

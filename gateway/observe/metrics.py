@@ -127,6 +127,31 @@ class _PolicyCollector(Collector):
         yield overrides
 
 
+class _FactsCollector(Collector):
+    """The routing facts this instance shares with the others through Redis (gateway.routing_sync)."""
+
+    def __init__(self, sync: Callable[[], Any], policy: Callable[[], Any]) -> None:
+        self._sync = sync
+        self._policy = policy
+
+    def collect(self) -> Iterator[Metric]:
+        published = CounterMetricFamily("kvgate_routing_facts_published",
+                                        "routing facts this instance published to the other instances "
+                                        "(routing.share_index)")
+        applied = CounterMetricFamily("kvgate_routing_facts_applied", "routing facts of other instances applied")
+        heard = GaugeMetricFamily("kvgate_routing_facts_instances_heard",
+                                  "other instances heard on the fleet's stream within three heartbeats "
+                                  "(0: this instance publishes no facts)")
+        failing = GaugeMetricFamily("kvgate_routing_facts_failing", "1 while Redis fails the sharing, else 0")
+        sync, gossip = self._sync(), getattr(self._policy(), "gossip", None)
+        if sync is not None and gossip is not None:
+            published.add_metric([], gossip.published)
+            applied.add_metric([], gossip.applied)
+            heard.add_metric([], sync.heard())
+            failing.add_metric([], 1.0 if sync.failing else 0.0)
+        yield from (published, applied, heard, failing)
+
+
 class _KVEventsCollector(Collector):
     """Each replica's KV-event stream (routing.kv_events): trusted or not, and what it delivered."""
 
@@ -192,7 +217,7 @@ class Metrics:
     def __init__(self, pool: Callable[[], ReplicaPool | None] = lambda: None, *,
                  cache: Callable[[], Any] = lambda: None, policy: Callable[[], Any] = lambda: None,
                  kv_events: Callable[[], Any] = lambda: None, admission: Callable[[], Any] = lambda: None,
-                 multiprocess_dir: Path | None = None) -> None:
+                 routing_sync: Callable[[], Any] = lambda: None, multiprocess_dir: Path | None = None) -> None:
         self._pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
@@ -259,7 +284,7 @@ class Metrics:
                                     registry=r)
         self.multiprocess_dir = multiprocess_dir
         scraped = (_CacheCollector(cache), _PolicyCollector(policy), _KVEventsCollector(kv_events),
-                   _QueueCollector(admission))
+                   _QueueCollector(admission), _FactsCollector(routing_sync, policy))
         if multiprocess_dir is None:
             for c in (_PoolCollector(pool), *scraped):
                 r.register(c)
