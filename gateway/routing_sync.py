@@ -98,8 +98,13 @@ class RoutingSync:
             gossip = self._gossip()
             if gossip is None:
                 continue
-            gossip.listening = self.heard() > 0
-            if not gossip.listening:
+            listening = self.heard() > 0
+            if listening != gossip.listening:
+                # Once per change, not per flush (a fresh policy starts listening, and is told).
+                log.info("routing facts: %s", f"{len(self._peers)} other instance(s) heard, sharing" if listening
+                         else "no other instance heard, nothing shared")
+            gossip.listening = listening
+            if not listening:
                 gossip.clear()  # noted before the last other instance went quiet
             if time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + self._heartbeat
