@@ -193,3 +193,10 @@ def test_the_homes_diagnostic_runs_its_oracle_rows_interpreted() -> None:
     assert [r[3].strip() for r in rows] == ["ttft", "ttft x4", "ttft x4, one index"]
     # The oracle gives the instances something: a different run from sharing nothing.
     assert rows[1][4:7] != rows[2][4:7]
+
+
+def test_the_facts_cost_bench_applies_a_block_fact_and_a_done_per_request() -> None:
+    from bench import facts_cost
+
+    r = facts_cost.measure("heavy4-closed8", 1, 60)
+    assert r["facts"] == 120 and r["bytes_per_request"] > 100 and r["per_request_us"] > 0
