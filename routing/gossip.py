@@ -50,10 +50,12 @@ and replica names, never prompt text.
 
 from __future__ import annotations
 
-import json
 import re
+import struct
 from collections import deque
 from typing import NamedTuple, Sequence, Union
+
+import orjson
 
 __all__ = ["HELD", "PLACED", "BLOCKS", "DONE", "MAX_HASHES", "KeyFact", "BlockFact", "Fact", "Gossip", "encode",
            "decode"]
@@ -151,18 +153,19 @@ def encode(facts: Sequence[Fact]) -> str:
     for fact in facts:  # indexed, not by name: a plain (kind, key, replica) tuple is a key fact too
         item: list[object] = [fact[0], f"{fact[1] & _MASK:016x}", fact[2]]
         if isinstance(fact, BlockFact):
-            item += [fact[3], "".join(f"{h & _MASK:016x}" for h in fact[4])]
+            hashes = fact[4]
+            item += [fact[3], struct.pack(f">{len(hashes)}Q", *(h & _MASK for h in hashes)).hex()]
             if fact.token:
                 item += [fact.uncached, f"{fact.token & _MASK:016x}"]
         out.append(item)
-    return json.dumps(out, separators=(",", ":"))
+    return orjson.dumps(out).decode()
 
 
 def decode(text: str | bytes) -> list[Fact]:
     """The well-formed facts of ``encode``'s output; anything else (another version's, garbage) is skipped."""
     try:
-        items = json.loads(text)
-    except (ValueError, RecursionError):
+        items = orjson.loads(text)
+    except (orjson.JSONDecodeError, RecursionError):
         return []
     out: list[Fact] = []
     for item in items if isinstance(items, list) else ():
@@ -196,8 +199,8 @@ def _fact(item: object) -> Fact | None:
         if not (_count(uncached) and isinstance(tag, str) and len(tag) == 16 and _HEX.fullmatch(tag)):
             return None
         token = int(tag, 16)
-    return BlockFact(BLOCKS, key, replica, blocks, tuple(int(packed[i:i + 16], 16) for i in range(0, len(packed), 16)),
-                     uncached, token)
+    # Checked hex digits above (bytes.fromhex alone would take spaces between pairs).
+    return BlockFact(BLOCKS, key, replica, blocks, struct.unpack(f">{count}Q", bytes.fromhex(packed)), uncached, token)
 
 
 def _count(x: object) -> bool:
