@@ -2,6 +2,8 @@
 
     KVGATE_INTERPRETED=1 .venv/bin/python -m bench.routing_homes      # 5 suite families, seed 2, 4 instances
     KVGATE_INTERPRETED=1 .venv/bin/python -m bench.routing_homes --families layered-4orgs-closed8 --seeds 1 2 3
+    KVGATE_INTERPRETED=1 .venv/bin/python -m bench.routing_homes --seeds 1 2 3 --rows none --longer 4
+                                          # runs 4x the family's length: what is the instances' start
 
 With several instances, ``ttft`` presumes a request's context at its *home*:
 the first choice of its anchor, the shallowest prefix that is not wide
@@ -119,10 +121,11 @@ def _nothing_presumed(on: bool) -> Iterator[None]:
 
 
 def run(family_name: str, seed: int, instances: int,
-        which: Sequence[tuple[str, tuple[str, ...]]] = ROWS) -> list[tuple[str, RunStats, float | None]]:
+        which: Sequence[tuple[str, tuple[str, ...]]] = ROWS,
+        longer: float = 1.0) -> list[tuple[str, RunStats, float | None]]:
     family = next(f for f in FAMILIES if f.name == family_name)
     settings = SimSettings(replicas=family.replicas, seed=seed)
-    w = build(family, seed, requests_for(build(family, seed, _PROBE), family, settings, family.seconds))
+    w = build(family, seed, requests_for(build(family, seed, _PROBE), family, settings, family.seconds * longer))
     pool = pool_size(w, family.replicas, DEFAULT_RATIO, clients=family.clients, block_size=settings.block_size)
     settings = replace(settings, kv_tokens=pool.kv_tokens)
     if family.closed_loop is None:
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", nargs="+", default=list(ROW_NAMES), choices=list(ROW_NAMES),
                    help="rows beside one instance's: none (sharing nothing), the oracles popularity, index, "
                         "backlog (one index and backlog), and shared (routing.share_index's block facts)")
+    p.add_argument("--longer", type=float, default=1.0,
+                   help="runs this many times the family's length (how much of a loss is the instances' start)")
     args = p.parse_args(argv)
     rows = [ROW_NAMES[r] for r in args.rows]
     if compiled():
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
     for family in args.families:
         for seed in args.seeds:
-            got = run(family, seed, args.instances, rows)
+            got = run(family, seed, args.instances, rows, args.longer)
             single = got[0][1].hit_ratio
             for label, s, agreed in got:
                 cell = "" if agreed is None else f"{agreed:.0%}"
