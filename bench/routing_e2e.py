@@ -97,6 +97,7 @@ from bench.vllm_router import VLLM_ROUTER_POLICIES, start_vllm_router, vllm_rout
 from bench.workloads import ClosedLoop, Request, Workload
 from bench.workloads.generated import FAMILIES, Family
 from gateway.proxy.pool import parse_vllm_metrics
+from gateway.routing_sync import STREAM
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16  # vllm_sim's default --block-size, which the replicas run with
@@ -319,7 +320,7 @@ def facts_stream(url: str) -> dict[str, int]:
 
     r = redis.Redis.from_url(url)
     try:
-        keys = list(r.scan_iter(match="kvgate:routing:facts*"))
+        keys = list(r.scan_iter(match=f"{STREAM}*"))
         out = {"entries": sum(int(r.xlen(k)) for k in keys),
                "bytes": sum(int(r.memory_usage(k, samples=0) or 0) for k in keys)}
         if keys:

@@ -278,7 +278,7 @@ class TTFTAffinity:
             return
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
         bit = self.bits.bit_for(feedback.replica, self.index)
-        if self.gossip is not None and self.gossip.listening:  # served elsewhere than sent (a retry): a placement too
+        if self._sharing():  # served elsewhere than sent (a retry): a placement too
             self._publish(info, route, feedback.replica)
         self._hold(info, route, bit, None)
 
@@ -388,7 +388,7 @@ class TTFTAffinity:
         # prompt, about a flush late: nothing is presumed of them (no home, no astray, the whole
         # pool modelled). Presumed on top of the facts, every replica an instance's anchor named
         # would be credited twice over (the sixth and seventh stops of the benchmark page).
-        share = 0.0 if self.gossip is not None and self.gossip.listening else others
+        share = 0.0 if self._sharing() else others
         home = 0
         if share > 0.0:
             # Only where another instance has a share: alone, nothing is presumed, and an
@@ -457,12 +457,9 @@ class TTFTAffinity:
         fits = [i for i in range(n) if rails[i] is None]
         if fits:
             best = min(cost[i] for i in fits)
-            # Of those computing the fewest tokens, the fewest requests there now (ours, and the
-            # others' as last reported) for its speed: each decodes beside this one, and past the
-            # replica's seats it waits for one; a replica at half speed takes half as many.
-            # Without it, a decode-bound fleet of cold prompts looked the same everywhere and
-            # split by the keys' hashes: the fairness benchmark's quiet tenant had a p95 of 123 ms
-            # at its share, 28 ms with it (docs/benchmarks/fairness.md).
+            # Of those computing the fewest tokens, the fewest requests now (ours, the others' as
+            # reported) for its speed: each decodes beside this one. Without it cold prompts split by
+            # key hash; the fairness benchmark's quiet tenant: p95 123 ms at its share, 28 ms with it.
             first = min((i for i in fits if cost[i] <= best + band),
                         key=lambda i: (uncached[i], load_now(order[i]) / speed[i], cost[i], i))
             rest = sorted((i for i in fits if i != first), key=lambda i: (cost[i], uncached[i], i))
@@ -490,6 +487,9 @@ class TTFTAffinity:
                 new = precise.get(chosen.name, 0.0) < len(keys)
                 request.scratch[_PENDING] = self.truth.sent(chosen.name, keys, new)
         return [order[i] for i in picks], terms
+
+    def _sharing(self) -> bool:  # block facts go out and come in: another instance listens
+        return self.gossip is not None and self.gossip.listening
 
     def _scale(self) -> float:
         """Observed over predicted time to first token at the reported rates (1 before any)."""
@@ -564,7 +564,7 @@ class TTFTAffinity:
         bit = self.bits.bit_for(chosen.name, self.index)
         if chosen is not home:
             self.moved += 1
-        if self.gossip is not None and self.gossip.listening:
+        if self._sharing():
             token = self._next_token = (self._next_token + 2) & 0xFFFFFFFFFFFFFFFF  # odd: never 0
             request.scratch[_TOKEN] = token
             self._publish(info, route, chosen.name, uncached, token)
