@@ -36,8 +36,10 @@ run; the in-flight ``bounded_reference`` runs only when named in
 replica load, max/mean per-replica request counts over the run, the max over
 routing decisions of in-flight / that cap, the
 share of follow-up turns sent to the replica that served the previous turn,
-agreement between independent gateway instances, and the mean routing cost
-per request. Also: key movement when one of 8 replicas leaves. A PNG goes to
+agreement between independent gateway instances, how far the policy's belief
+of what the chosen replica held missed the cached tokens it reported
+(``belief``, a share of the prompt; ``ttft`` keeps one), and the mean routing
+cost per request. Also: key movement when one of 8 replicas leaves. A PNG goes to
 ``bench/out/routing.png`` and the numbers to ``bench/out/routing.json``.
 
 Workload replay is separate from the simulator: ``bench.routing_replay``

@@ -59,7 +59,8 @@ from routing.ttft_affinity import TTFTAffinity
 
 from .pools import DEFAULT_RATIO, pool_size
 from .routing import SHARE_DELAY_S, ideal_hit_ratio, calibrate
-from .routing_sim import RunStats, SimSettings, simulate
+from .routing_sim import SimSettings, simulate
+from .routing_stats import RunStats
 from .routing_suite import _PROBE, requests_for
 from .workloads.generated import FAMILIES, build
 

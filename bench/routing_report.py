@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .routing_sim import RunStats
+from .routing_stats import RunStats
 
 __all__ = ["Row", "WorkloadReport", "format_table", "write_json", "plot"]
 
@@ -40,7 +40,7 @@ class Row:
             self.label, str(s.instances), f"{s.hit_ratio:.3f}", _pct(pct), _pct(self.of_reference),
             _secs(s.ttft(0.5)), _secs(s.ttft(0.95)), f"{s.throughput:,.0f}",
             _num(s.max_over_mean_load), _num(s.max_over_mean_requests), _num(s.max_bound_ratio),
-            _pct(s.warm_share), _pct(s.agreement), _num(s.route_us, 0),
+            _pct(s.warm_share), _pct(s.agreement), _pct(s.belief_gap), _num(s.route_us, 0),
         ]
 
 
@@ -59,7 +59,7 @@ class WorkloadReport:
 
 
 HEADER = ["policy", "inst", "hit", "%ideal", "%ref", "TTFT p50", "TTFT p95", "out tok/s", "max/mean",
-          "req m/m", "if/bound", "warm f/u", "agree", "route us"]
+          "req m/m", "if/bound", "warm f/u", "agree", "belief", "route us"]
 
 
 def _pct(x: float) -> str:
@@ -106,7 +106,8 @@ def write_json(reports: list[WorkloadReport], path: Path) -> None:
                 "fraction_of_reference": _nan_none(row.of_reference),
                 "ttft_p50_s": s.ttft(0.5), "ttft_p95_s": s.ttft(0.95), "throughput_tok_s": s.throughput,
                 "max_over_mean_load": s.max_over_mean_load, "warm_follow_up_share": _nan_none(s.warm_share),
-                "agreement": _nan_none(s.agreement), "route_us": _nan_none(s.route_us),
+                "agreement": _nan_none(s.agreement), "belief_gap": _nan_none(s.belief_gap),
+                "route_us": _nan_none(s.route_us),
                 "requests_per_replica": s.requests_per_replica,
                 "max_over_mean_requests": _nan_none(s.max_over_mean_requests),
                 "max_in_flight_over_bound": s.max_bound_ratio, "decisions_over_bound": s.over_bound,

@@ -70,9 +70,10 @@ from vllm_sim.kv import Allocation, KVPool
 from vllm_sim.kv_events import encode_batch
 from vllm_sim.timing import TimingModel
 
+from .routing_stats import RunStats, belief_gap
 from .workloads import ClosedLoop, Request, Workload, chains
 
-__all__ = ["SimSettings", "SimView", "RunStats", "PolicyFactory", "simulate", "load_bound"]
+__all__ = ["SimSettings", "SimView", "PolicyFactory", "simulate", "load_bound"]
 
 _ARRIVE, _STEP, _SCRAPE, _GOSSIP, _EVENTS = 0, 1, 2, 3, 4
 
@@ -253,86 +254,6 @@ class SimEngine:
         return batch, uncached
 
 
-@dataclass
-class RunStats:
-    policy: str
-    workload: str
-    instances: int
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    # Per request, in the order of ``ttfts``: how much of its wait was for KV blocks.
-    kv_waits: list[float] = field(default_factory=list)
-    makespan: float = 0.0
-    loads: list[float] = field(default_factory=list)
-    busy: list[float] = field(default_factory=list)
-    follow_ups: int = 0
-    follow_ups_warm: int = 0
-    agreement_checked: int = 0
-    agreement_same: int = 0
-    route_s: float = 0.0
-    routed: int = 0
-    dropped: int = 0
-    wall_s: float = 0.0
-    # Requests each replica took over the run.
-    requests_per_replica: list[int] = field(default_factory=list)
-    # Max over decisions of the chosen replica's in-flight / load_bound, and how many decisions exceeded 1.
-    max_bound_ratio: float = 0.0
-    over_bound: int = 0
-    # Most requests in flight fleet-wide at once (a closed loop never passes its client count).
-    max_in_flight: int = 0
-    # Each replica's prefill rate as a scrape at the end of the run reads it (routing.rates).
-    prefill_rates: list[float | None] = field(default_factory=list)
-    # Prompt tokens each replica computed (prefix-cache hits excluded) over the run.
-    computed_per_replica: list[int] = field(default_factory=list)
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def ttft(self, q: float) -> float:
-        if not self.ttfts:
-            return float("nan")
-        xs = sorted(self.ttfts)
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-    def kv_wait_tail(self, q: float = 0.9) -> float:
-        """The mean KV-memory wait of the requests whose TTFT is at or past the ``q`` quantile."""
-        if not self.ttfts:
-            return float("nan")
-        pairs = sorted(zip(self.ttfts, self.kv_waits))
-        tail = pairs[min(len(pairs) - 1, int(q * len(pairs))):]
-        return sum(w for _, w in tail) / len(tail)
-
-    @property
-    def max_over_mean_load(self) -> float:
-        mean = sum(self.loads) / len(self.loads) if self.loads else 0.0
-        return max(self.loads) / mean if mean else float("nan")
-
-    @property
-    def max_over_mean_requests(self) -> float:
-        counts = self.requests_per_replica
-        mean = sum(counts) / len(counts) if counts else 0.0
-        return max(counts) / mean if mean else float("nan")
-
-    @property
-    def throughput(self) -> float:
-        return self.output_tokens / self.makespan if self.makespan else 0.0
-
-    @property
-    def warm_share(self) -> float:
-        return self.follow_ups_warm / self.follow_ups if self.follow_ups else float("nan")
-
-    @property
-    def agreement(self) -> float:
-        return self.agreement_same / self.agreement_checked if self.agreement_checked else float("nan")
-
-    @property
-    def route_us(self) -> float:
-        return self.route_s / self.routed * 1e6 if self.routed else float("nan")
-
-
 Clock = Callable[[], float]
 PolicyFactory = Callable[[Clock], RoutingPolicy]
 
@@ -496,7 +417,8 @@ class _Fleet:
         e.prefill_tokens_sum += req.prompt_tokens - job.alloc.cached_tokens
         self.view_of[job.instance][e.name].in_flight -= 1
         self.policies[job.instance].observe(
-            job.route, RouteFeedback(e.name, req.prompt_tokens, job.alloc.cached_tokens, True, ttft_s=job.ttft))
+            job.route, RouteFeedback(e.name, req.prompt_tokens, job.alloc.cached_tokens, True, ttft_s=job.ttft,
+                                      completion_tokens=req.output_tokens))
         self._publish(job.instance, now)
         st = self.stats
         st.prompt_tokens += req.prompt_tokens
@@ -573,6 +495,7 @@ class _Fleet:
             else:
                 self.scrape()
                 self.push(now + self.s.scrape_s, _SCRAPE, None)
+        self.stats.belief_gap = belief_gap(self.policies)
         for e in self.engines:
             e.advance(self.stats.makespan)
             self.stats.loads.append(e.load_area / self.stats.makespan if self.stats.makespan else 0.0)

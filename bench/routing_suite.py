@@ -82,7 +82,8 @@ from typing import Any, Sequence
 from .pools import DEFAULT_RATIO, pool_size
 from .routing import MULTI, POLICIES, SHARE_DELAY_S, SHARED, calibrate, ideal_hit_ratio, shared_label
 from .routing_reference import REFERENCE, RUN_REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED
-from .routing_sim import RunStats, SimSettings, simulate
+from .routing_sim import SimSettings, simulate
+from .routing_stats import RunStats
 from .workloads import Workload
 from .workloads.generated import FAMILIES, Family, build
 

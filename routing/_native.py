@@ -39,7 +39,7 @@ __all__ = ["COMPILED", "FromSource", "compiled", "fresh", "install"]
 
 # The decision's hot path, and only modules whose every import is interpreted-safe.
 COMPILED = ("backlog", "block_index", "boundary", "chains", "hashing", "hotness", "keys", "messages_view",
-            "pool_model", "prefix_affinity", "rendezvous", "ttft_affinity", "ttft_inputs")
+            "pool_model", "prefix_affinity", "rendezvous", "ttft_affinity", "ttft_inputs", "ttft_learned")
 # The package's compiled group (mypyc's shared library: routing/native__mypyc.*.so).
 GROUP = "routing.native"
 # Written beside them by a successful compile: the digest of the sources compiled.

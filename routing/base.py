@@ -121,6 +121,8 @@ class RouteFeedback:
     ok: bool
     # Seconds from sending the request to its first token, where the gateway saw it (a stream).
     ttft_s: float | None = None
+    # The tokens it generated (usage.completion_tokens), where the replica said.
+    completion_tokens: int | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -20,7 +20,9 @@ one question, in seconds (NVIDIA Dynamo's KV router asks it in blocks):
 * ``held(r)``: how much of the prompt ``r`` holds, the largest of the named
   estimates: its KV events (precise mode, ``routing.kv_events``), this
   instance's index of what it sent there (``routing.block_index``, kept to
-  what the replica's pool can still hold by ``routing.pool_model``), the
+  what the replica's pool can still hold by ``routing.pool_model``: its size,
+  less the output its running requests pin, in blocks of characters at the
+  characters per token the replies teach, ``routing.ttft_learned``), the
   routing key known to be there, a wide prefix (one carrying more than a
   replica's share of the traffic, ``routing.keys``: warm wherever any of it
   went, other instances' traffic included) and the presumed home (below).
@@ -147,7 +149,8 @@ from .kv_events import KVEvents
 from .pool_model import PoolModel
 from .rendezvous import Rendezvous
 from .settings import RoutingSettings
-from .ttft_inputs import Mean, Terms, home_index, known_rates, seat_wait, waiting_and_share
+from .ttft_inputs import Terms, home_index, known_rates, seat_wait, waiting_and_share
+from .ttft_learned import Learned
 
 __all__ = ["TTFTAffinity", "Terms"]
 
@@ -199,25 +202,11 @@ class TTFTAffinity:
         self._queued_remote: dict[int, tuple[str, float]] = {}
         self._next_token = secrets.randbits(64) | 1
         self._orders = Rendezvous()
-        # Learned from the replies: the uncached prompt of a request (what another client's
-        # waiting request is taken to weigh), and how far predictions missed (seconds).
-        self.work = Mean()
+        # What the replies teach (``routing.ttft_learned``): the uncached prompt of a request, how
+        # far predictions missed, a seat's hold, the output, characters per token, the belief's gap.
+        self.learned = Learned()
         self._others_share = 0.0
-        self.error = Mean()
-        # How long a request holds its seat once it has started: from its first token to its
-        # end (seconds), learned from the streams this instance relays (``seat_wait``).
-        self.hold = Mean()
         self._clock = clock
-        # The replicas' rates say how fast each is against the others; the times to first
-        # token they answer say how fast prefill is felt: a request prefilled in a batch is
-        # charged the batch's time, so the rate the histograms give is below the drain.
-        # Observed over predicted (at the reported rates), over the same window.
-        self._observed = Mean()
-        self._predicted = Mean()
-        # The index's belief against the replicas' cached_tokens: |believed - reported| and prompt.
-        self._belief_gap = 0.0
-        self._belief_prompt = 0.0
-        self._belief_n = 0
         # Decisions, how many left the key's home, and how many a rail decided: the replica
         # the formula preferred was refused.
         self.decisions = 0
@@ -256,21 +245,10 @@ class TTFTAffinity:
             self._done(request, mark)
         predicted = request.scratch.pop(_PREDICTED, None)
         first = request.scratch.pop(_FIRST, None)
-        if feedback.ok and first is not None:
-            self.hold.add(self._clock() - first)
-        if feedback.ok and feedback.prompt_tokens:
-            cached = feedback.cached_tokens
-            if cached is not None:
-                self.work.add(float(max(0, feedback.prompt_tokens - cached)))
-            if predicted is not None and predicted[0] == feedback.replica:
-                if cached is not None:
-                    self._belief_gap += abs(predicted[2] - cached)
-                    self._belief_prompt += feedback.prompt_tokens
-                    self._belief_n += 1
-                if predicted[1] is not None and feedback.ttft_s is not None:
-                    self.error.add(abs(predicted[1] - feedback.ttft_s))
-                    self._observed.add(feedback.ttft_s)
-                    self._predicted.add(predicted[1] / predicted[3])
+        if feedback.ok:
+            chars = len(analyse(request, self.settings, self.keyer.chains).rendered.data) \
+                if feedback.prompt_tokens and not request.token_ids else 0
+            self.learned.reply(feedback, predicted, chars, None if first is None else self._clock() - first)
         if not feedback.ok or request.scratch.get(_SENT) == feedback.replica:
             return  # nothing learned, or recorded when it was sent there
         info = analyse(request, self.settings, self.keyer.chains)
@@ -317,7 +295,7 @@ class TTFTAffinity:
                 size = self._kv_tokens.get(fact.replica)
                 if size:
                     self._touch(bit, fact.key, self.index.positions(fact.blocks), fact.hashes,
-                                int(size * CHARS_PER_TOKEN / self.settings.block_chars))
+                                int(size * self.learned.chars_per_token() / self.settings.block_chars))
             if fact.token and fact.uncached > 0:
                 # Queued at the replica ahead of what this instance sends next, as its own would be.
                 mark = self.backlog.add(fact.replica, float(fact.uncached), self._rates.get(fact.replica))
@@ -332,14 +310,7 @@ class TTFTAffinity:
         out: dict[str, object] = {
             "decisions": self.decisions, "left_home": self.moved, "bound_overrides": self.bound_overrides,
             "index_entries": len(self.index), "precise_decisions": self.precise_decisions,
-            "learned": {"uncached_tokens_per_request": self.work.get(0.0) if len(self.work) else None,
-                        "rate_scale": 1.0 / self._scale(),
-                        "prediction_error_s": self.error.get(0.0) if len(self.error) else None,
-                        "seat_hold_s": self.hold.get(0.0) if len(self.hold) else None},
-            # How far the belief (held tokens at the chosen replica) was from what it reported
-            # reusing, as a share of the prompt tokens: 0 is exact.
-            "belief": {"requests": self._belief_n,
-                       "gap_share": self._belief_gap / self._belief_prompt if self._belief_prompt else None}}
+            **self.learned.stats()}
         if self.gossip is not None:
             out["shared_facts"] = {"published": self.gossip.published, "applied": self.gossip.applied,
                                    "pending": len(self.gossip)}
@@ -352,7 +323,7 @@ class TTFTAffinity:
         what its pool evicts for it (where its size is known)."""
         self.index.add(info.hashes, bit, known)
         self.index.add_key(route.key, bit)
-        size = replica.kv_tokens if replica is not None else None
+        size = self._room(replica) if replica is not None else None
         if size:
             at = self.index.positions(len(info.hashes))
             # Other instances' requests take their share of the same LRU: this instance's
@@ -364,7 +335,7 @@ class TTFTAffinity:
             # With block facts (share_index) every instance's placements pass through the
             # model, so it is the whole pool: ``_others_share`` is 0 then (``_rank``).
             own = 1.0 if self.truth is not None else 1.0 - self._others_share
-            capacity = int(size * own * CHARS_PER_TOKEN / info.block)
+            capacity = int(size * own * self.learned.chars_per_token() / info.block)
             self._touch(bit, route.key, at, [info.hashes[p] for p in at], capacity)
 
     def _touch(self, bit: int, key: int, at: Sequence[int], recorded: Sequence[int], capacity: int) -> None:
@@ -398,8 +369,10 @@ class TTFTAffinity:
                 home = home_index(self._orders.order(anchor.key, replicas)[0], order)
         if learn:
             self._others_share = share
-        hold = self.hold.get(0.0)
-        scale = self._scale()
+            if request.token_ids:
+                self.learned.learn_chars(len(info.rendered.data), len(request.token_ids))
+        hold = self.learned.hold.get(0.0)
+        scale = self.learned.scale()
         rates = [x / scale if x is not None else None for x in known_rates(order)]
         if learn and self.gossip is not None:
             self._remember(order, rates)
@@ -409,7 +382,7 @@ class TTFTAffinity:
         uncached = [max(0.0, prompt_tokens - h) for h in held]
         # Another client's waiting request weighs what a request of ours was reported to
         # compute; before any report, what this one would compute there.
-        learned = self.work.get(-1.0)
+        learned = self.learned.work.get(-1.0)
         each = [learned if learned >= 0 else u for u in uncached]
         queued = self.backlog.queued([r.name for r in order], rates)
         ahead, ttft, refill, seated = [], [], [], []
@@ -448,7 +421,7 @@ class TTFTAffinity:
         strays = [astray / speed[i] if i != home else 0.0 for i in range(n)]
         cost = [ttft[i] + strays[i] + excess[i] + refill[i] for i in range(n)]
         # The pick: least cost; within the prediction's error of it, fewest tokens computed.
-        band = self.error.get(0.0) if rates[0] is not None else 0.0
+        band = self.learned.error.get(0.0) if rates[0] is not None else 0.0
         # The rail (module doc): a queue past the least by more than this whole prefill and the
         # excess it would spare, beyond the prediction's error.
         least_ahead = min(ahead)
@@ -479,7 +452,8 @@ class TTFTAffinity:
             chosen = order[c]
             mark = self.backlog.add(chosen.name, uncached[c], rates[c])
             request.scratch[_MARK] = (chosen.name, mark, rates[c])
-            request.scratch[_PREDICTED] = (chosen.name, ttft[c] if rates[c] is not None else None, held[c], scale)
+            request.scratch[_PREDICTED] = (chosen.name, ttft[c] if rates[c] is not None else None,
+                                           held[c] / prompt_tokens if prompt_tokens else 0.0, scale)
             self._commit(request, info, route, chosen, order[home], depths, uncached[c])
             if keys and self.truth is not None:
                 if chosen.name in precise:
@@ -488,13 +462,15 @@ class TTFTAffinity:
                 request.scratch[_PENDING] = self.truth.sent(chosen.name, keys, new)
         return [order[i] for i in picks], terms
 
+    def _room(self, r: ReplicaView) -> float | None:
+        """The tokens ``r``'s pool has for cached prompts: its size less what its running requests
+        pin for their output, which no prompt recorded here accounts for."""
+        if not r.kv_tokens:
+            return None
+        return max(0.0, r.kv_tokens - load_now(r) * r.weight * self.learned.output.get(0.0))
+
     def _sharing(self) -> bool:  # block facts go out and come in: another instance listens
         return self.gossip is not None and self.gossip.listening
-
-    def _scale(self) -> float:
-        """Observed over predicted time to first token at the reported rates (1 before any)."""
-        predicted = self._predicted.total
-        return self._observed.total / predicted if predicted > 0 and self._observed.total > 0 else 1.0
 
     def _held(self, info: PrefixInfo, route: RouteKey, order: list[ReplicaView], home: int,
               precise: dict[str, float], request: RouteRequest,
@@ -594,6 +570,7 @@ class TTFTAffinity:
             sizes.clear()
             known.clear()
         for r, rate in zip(replicas, rates):
-            if r.kv_tokens:
-                sizes[r.name] = r.kv_tokens
+            room = self._room(r)
+            if room:
+                sizes[r.name] = room
             known[r.name] = rate

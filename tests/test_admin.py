@@ -204,6 +204,12 @@ def test_explain_returns_the_terms_that_decided(stack: Stack, admin: httpx.Clien
     assert all({"cost", "uncached", "held", "rail"} <= set(row) for row in rows)
     if policy == "ttft":  # its terms in seconds, the source of the belief named
         assert rows[0]["source"] in ("index", "key")
+        # What the pool model is sized by, learned from the reply: its prompt's characters per
+        # token (the rendered prompt is the system prompt and a little more) and its output.
+        usage, learned = served.json()["usage"], admin.get("/admin/routing").json()["learned"]
+        assert learned["output_tokens_per_request"] == usage["completion_tokens"] == 1
+        assert len(system) / usage["prompt_tokens"] < learned["chars_per_token"] < \
+            (len(system) + 200) / usage["prompt_tokens"]
         assert all({"ttft", "ahead", "astray", "excess", "refill", "bound", "rate"} <= set(row) for row in rows)
         assert all(row["cost"] >= row["ttft"] >= row["ahead"] for row in rows)
     # Nothing was learned, and the same question gives the same answer.

@@ -115,6 +115,10 @@ def test_quick_benchmark_runs(tmp_path: Path, capsys) -> None:
         pool = pool_size(w, args.replicas)
         assert d["pool_tokens"] == pool.kv_tokens and d["working_set_tokens"] == pool.working_set
     assert next(d for d in data if d["workload"] == "unique")["working_set_tokens"] == 0
+    # ttft's belief of what the chosen replica held, against the cached tokens it reported: close
+    # on shared prefixes, where one instance sees every placement; no belief without a policy's.
+    rows = {r["label"]: r for r in next(d for d in data if d["workload"] == "shared_prefix")["rows"]}
+    assert 0.0 <= rows["ttft"]["belief_gap"] < 0.1 and rows["round_robin"]["belief_gap"] is None
     assert (tmp_path / "routing.png").stat().st_size > 10_000
 
 

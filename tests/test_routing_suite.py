@@ -18,7 +18,8 @@ from bench.routing import POLICIES, calibrate, ideal_hit_ratio
 from bench.routing_reference import (
     REFERENCE, RUN_REFERENCE, TTFT_BOUNDED, TTFT_UNBOUNDED, RunBoundedReference, TTFTReference)
 from bench.routing_replay import Usage, replay
-from bench.routing_sim import RunStats, SimEngine, SimSettings, SimView, load_bound, simulate
+from bench.routing_sim import SimEngine, SimSettings, SimView, load_bound, simulate
+from bench.routing_stats import RunStats
 from bench.workloads import ClosedLoop, Request, Workload, chains
 from bench.workloads.generated import FAMILIES, LAYERED, Family, build, layered_layout, layout
 from vllm_sim.kv import block_hashes

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 from routing import RouteFeedback, RouteRequest, RoutingSettings
+from routing.backlog import CHARS_PER_TOKEN
+from routing.keys import analyse
 from routing.ttft_affinity import TTFTAffinity
 
 from bench.routing_sim import SimView as View
@@ -56,7 +59,7 @@ def test_the_rail_holds_at_every_decision_under_seeded_concurrent_load() -> None
             refused += sum(t.rail == "wait" for t in terms)
             assert pick.rail is None
             busy = sum(t.ahead > 0 for t in terms) / len(terms)
-            band = policy.error.get(0.0)
+            band = policy.learned.error.get(0.0)
             for t in terms:  # the bound each replica was held to, recomputed from the terms
                 assert abs(t.bound - (least + (1 + busy) * (t.held + t.uncached) / t.rate + band)) < 1e-6
                 assert (t.rail == "wait") == (t.ahead > t.bound), (seed, step)
@@ -86,7 +89,7 @@ def test_other_clients_waiting_requests_are_work_ahead() -> None:
         request = one_off(900 + i, 400)
         served(policy, request, replicas)
         policy.observe(request, RouteFeedback("r0", 1000, 200, True))  # teaches the mean: 800
-    assert policy.work.get(0.0) == 800
+    assert policy.learned.work.get(0.0) == 800
     for r in replicas:
         r.running, r.waiting = 2.0, 0.0
     home = policy.prefer(one_off(1, 2000), replicas)[0]
@@ -280,7 +283,7 @@ def test_past_its_seats_a_request_waits_for_one_to_end_and_goes_elsewhere() -> N
         for r in replicas:
             r.seats, r.running, r.waiting = seats, 0.0, 0.0
         _hold_learned(policy, clock, replicas, 2.0)
-        assert policy.hold.get(0.0) == 2.0
+        assert policy.learned.hold.get(0.0) == 2.0
         home = served(policy, twin(1, 1), replicas)
         home.running, home.waiting = 4.0, 3.0  # every seat taken, three of other clients' waiting
         terms = {t.replica: t for t in policy.explain(twin(1, 2), replicas)}
@@ -328,3 +331,52 @@ def test_among_replicas_equally_good_the_fewest_requests_for_its_speed_wins() ->
     # Twice as fast with twice the requests: the same for its speed; the faster one's predicted
     # time is shorter, so it is the pick (the count breaks ties only within the prediction's error).
     assert picks() == {"r0"}
+
+
+def _layers_outlast(policy: TTFTAffinity, replicas: list[View], prompt_tokens: Callable[[RouteRequest], int | None],
+                    completion_tokens: int | None = None) -> int:
+    """One-off prompts of 1,000 characters sent to an organisation's home, answered with
+    ``prompt_tokens`` (and ``completion_tokens``) each, until the index forgets its layers."""
+    home = served(policy, twin(1, 1), replicas)
+    policy.backlog.add(next(r for r in replicas if r is not home).name, 1e9, None)  # all else goes home
+    for i in range(200):
+        request = one_off(500 + i, 1000)
+        assert policy.prefer(request, replicas)[0] is home
+        policy.observe(request, RouteFeedback(home.name, prompt_tokens(request), 0, True,
+                                              completion_tokens=completion_tokens))
+        if {t.replica: t for t in policy.explain(twin(1, 2), replicas)}[home.name].held == 0:
+            return i + 1
+    raise AssertionError("the layers were never forgotten")
+
+
+def test_the_pool_model_holds_the_pool_in_the_replicas_own_tokens() -> None:
+    # The replies say a prompt's tokens: here one for every 8 rendered characters, twice the 4
+    # assumed before any reply. A pool of 4,000 tokens then holds twice the characters, and an
+    # organisation's layers outlast about twice as many one-off prompts before the index
+    # forgets them (with 4 it would forget what the replica still holds: the benchmarks' text
+    # runs 5.5 characters a token).
+    def pool() -> tuple[TTFTAffinity, list[View]]:
+        return TTFTAffinity(RoutingSettings(), Clock()), [View(f"r{i}", kv_tokens=4000.0) for i in range(2)]
+
+    policy, replicas = pool()
+    eighths = _layers_outlast(policy, replicas, lambda r: len(analyse(r, policy.settings).rendered.data) // 8)
+    assert 7.9 < policy.learned.chars_per_token() < 8.1
+    unsaid, replicas = pool()
+    assumed = _layers_outlast(unsaid, replicas, lambda r: None)
+    assert unsaid.learned.chars_per_token() == CHARS_PER_TOKEN
+    assert 1.6 * assumed <= eighths <= 2.4 * assumed, (assumed, eighths)
+
+
+def test_what_running_requests_generate_takes_room_from_the_cached_prompts() -> None:
+    # Ten requests of this instance's run at each replica, and the replies say each generates 200
+    # tokens: their blocks take 2,000 of the pool's 4,000 tokens, so the layers are forgotten
+    # about twice as soon.
+    def outlast(running: int) -> int:
+        policy = TTFTAffinity(RoutingSettings(), Clock())
+        replicas = [View(f"r{i}", kv_tokens=4000.0, running=float(running), waiting=0.0, in_flight=running,
+                         in_flight_at_scrape=running) for i in range(2)]
+        return _layers_outlast(policy, replicas, lambda r: len(analyse(r, policy.settings).rendered.data) // 4,
+                               completion_tokens=200)
+
+    idle, busy = outlast(0), outlast(10)
+    assert 0.3 * idle <= busy <= 0.7 * idle, (idle, busy)

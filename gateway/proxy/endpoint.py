@@ -157,10 +157,11 @@ class ProxyEndpoint:
                 rt.disagg.finished(ctx, replica.name, outcome.ttft_s)
             if self.prefills:
                 started = time.perf_counter()
+                usage = outcome.usage
                 rt.policy.observe(route, RouteFeedback(
-                    replica.name, outcome.usage.prompt_tokens if outcome.usage else None,
-                    outcome.usage.cached_tokens if outcome.usage else None, outcome.failure is None,
-                    ttft_s=outcome.ttft_s))
+                    replica.name, usage.prompt_tokens if usage else None, usage.cached_tokens if usage else None,
+                    outcome.failure is None, ttft_s=outcome.ttft_s,
+                    completion_tokens=usage.completion_tokens if usage else None))
                 rt.decision_times.add(attempt.prefer_s + time.perf_counter() - started)
                 stages.account_savings(rt, ctx, route, replica.name, outcome)
             stages.after_response(rt, ctx, replica.name, outcome)

@@ -7,8 +7,8 @@ prompts, flat completions prompts, Anthropic breakpoints and boundary markers,
 tool lists, the Messages protocol; replicas that report queues; requests held
 for random times, some failing; two instances, one of them told the other's
 facts (``share_index``). For ``ttft``, replicas also report prefill rates and
-pool sizes and have known seats or not, replies report cached tokens and a first
-token's time, and streams their first tokens (what it learns from), all drawn
+pool sizes and have known seats or not, replies report cached tokens, a first
+token's time and the tokens generated, and streams their first tokens (what it learns from), all drawn
 from a second generator so that ``prefix_affinity``'s sequence, and its
 decisions' digest in the docs, stay as they were. Run by
 ``tests/test_routing_native.py`` once compiled and once interpreted
@@ -81,7 +81,8 @@ def run(seed: int, n: int, policy: str = "prefix_affinity") -> list[str]:
             prompt = learnt.randrange(100, 4000) if learnt else None
             policies[p].observe(request, RouteFeedback(
                 replica.name, prompt, learnt.randrange(prompt) if learnt and prompt else None, ok,
-                ttft_s=learnt.random() * 0.2 if learnt else None))
+                ttft_s=learnt.random() * 0.2 if learnt else None,
+                completion_tokens=learnt.randrange(1, 2000) if learnt else None))
             continue
         if step % 50 == 0:
             for fleet in fleets:  # a scrape: every replica reports its queue
