@@ -169,6 +169,11 @@ _TOKEN = "kvgate.gossip_token"
 _MAX_QUEUED_REMOTE = 1 << 16
 # When its first token came (``started``): the rest of its time is a seat's.
 _FIRST = "kvgate.first_token_at"
+# The standard normal's 95th percentile: the room a pool keeps is for the 95th percentile of the
+# requests it runs (``_room``), as users judge the time to first token at its p95.
+_P95_Z = 1.645
+
+
 class TTFTAffinity:
     name = "ttft"
 
@@ -464,10 +469,16 @@ class TTFTAffinity:
 
     def _room(self, r: ReplicaView) -> float | None:
         """The tokens ``r``'s pool has for cached prompts: its size less what its running requests
-        pin for their output, which no prompt recorded here accounts for."""
+        pin for their output, which no prompt recorded here accounts for. Their number comes and
+        goes: each runs for a while and new ones arrive independently, so it is about Poisson
+        around the ``n`` there now, and the room is kept for its 95th percentile,
+        ``n + 1.645 sqrt(n)``: the percentile users judge a time to first token by. (At ``n``
+        alone, a burst outgrew a crowded pool and waited for blocks: the benchmark page, tenth
+        stop.)"""
         if not r.kv_tokens:
             return None
-        return max(0.0, r.kv_tokens - load_now(r) * r.weight * self.learned.output.get(0.0))
+        n = load_now(r) * r.weight
+        return max(0.0, r.kv_tokens - (n + _P95_Z * n ** 0.5) * self.learned.output.get(0.0))
 
     def _sharing(self) -> bool:  # block facts go out and come in: another instance listens
         return self.gossip is not None and self.gossip.listening

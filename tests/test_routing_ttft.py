@@ -369,8 +369,9 @@ def test_the_pool_model_holds_the_pool_in_the_replicas_own_tokens() -> None:
 
 def test_what_running_requests_generate_takes_room_from_the_cached_prompts() -> None:
     # Ten requests of this instance's run at each replica, and the replies say each generates 200
-    # tokens: their blocks take 2,000 of the pool's 4,000 tokens, so the layers are forgotten
-    # about twice as soon.
+    # tokens: room is kept for the output of the 95th percentile of their number (10 + 1.645 x
+    # sqrt(10), about 15), 3,040 of the pool's 4,000 tokens, so the layers are forgotten about
+    # four times as soon.
     def outlast(running: int) -> int:
         policy = TTFTAffinity(RoutingSettings(), Clock())
         replicas = [View(f"r{i}", kv_tokens=4000.0, running=float(running), waiting=0.0, in_flight=running,
@@ -379,4 +380,4 @@ def test_what_running_requests_generate_takes_room_from_the_cached_prompts() -> 
                                completion_tokens=200)
 
     idle, busy = outlast(0), outlast(10)
-    assert 0.3 * idle <= busy <= 0.7 * idle, (idle, busy)
+    assert 0.1 * idle <= busy <= 0.4 * idle, (idle, busy)
