@@ -370,8 +370,8 @@ def test_the_pool_model_holds_the_pool_in_the_replicas_own_tokens() -> None:
 def test_what_running_requests_generate_takes_room_from_the_cached_prompts() -> None:
     # Ten requests of this instance's run at each replica, and the replies say each generates 200
     # tokens: room is kept for the output of the 95th percentile of their number (10 + 1.645 x
-    # sqrt(10), about 15), 3,040 of the pool's 4,000 tokens, so the layers are forgotten about
-    # four times as soon.
+    # sqrt(10), about 15), 3,040 of the pool's 4,000 tokens, so the layers are forgotten several
+    # times as soon (5 one-off prompts against 17).
     def outlast(running: int) -> int:
         policy = TTFTAffinity(RoutingSettings(), Clock())
         replicas = [View(f"r{i}", kv_tokens=4000.0, running=float(running), waiting=0.0, in_flight=running,
