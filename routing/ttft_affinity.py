@@ -141,7 +141,7 @@ import time
 from typing import Callable, Sequence
 
 from .backlog import CHARS_PER_TOKEN, Backlog
-from .base import ReplicaView, RouteFeedback, RouteRequest, load_now
+from .base import ReplicaView, RouteFeedback, RouteRequest, load_now, others_reported
 from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
 from .gossip import DONE, MAX_HASHES, PLACED, BlockFact, Fact, Gossip
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
@@ -195,9 +195,9 @@ class TTFTAffinity:
         self.bits = ReplicaBits()
         self.backlog = Backlog(clock)
         self.gossip = Gossip() if self.settings.share_index else None
-        # Each replica's pool size (``kv_tokens``) as last scraped: another instance's block fact
-        # moves the pool model of a replica this instance may not have sent anything to yet.
-        self._kv_tokens: dict[str, float] = {}
+        # Each replica's room for cached prompts (``_room``) as this instance last read it: another
+        # instance's block fact moves the pool model of a replica this one may not have sent to yet.
+        self._rooms: dict[str, float] = {}
         # ... and its rate as this instance last priced it: the others' queued prompt tokens
         # (their block facts) drain at it, until their first token says they are done.
         self._rates: dict[str, float | None] = {}
@@ -297,10 +297,9 @@ class TTFTAffinity:
         bit = self.bits.bit_for(fact.replica, self.index)
         if isinstance(fact, BlockFact):
             if self.index.add_recorded(fact.blocks, fact.hashes, bit):
-                size = self._kv_tokens.get(fact.replica)
-                if size:
-                    self._touch(bit, fact.key, self.index.positions(fact.blocks), fact.hashes,
-                                int(size * self.learned.chars_per_token() / self.settings.block_chars))
+                room = self._rooms.get(fact.replica)
+                if room:
+                    self._touch(bit, fact.key, self.index.positions(fact.blocks), fact.hashes, room)
             if fact.token and fact.uncached > 0:
                 # Queued at the replica ahead of what this instance sends next, as its own would be.
                 mark = self.backlog.add(fact.replica, float(fact.uncached), self._rates.get(fact.replica))
@@ -340,13 +339,15 @@ class TTFTAffinity:
             # With block facts (share_index) every instance's placements pass through the
             # model, so it is the whole pool: ``_others_share`` is 0 then (``_rank``).
             own = 1.0 if self.truth is not None else 1.0 - self._others_share
-            capacity = int(size * own * self.learned.chars_per_token() / info.block)
-            self._touch(bit, route.key, at, [info.hashes[p] for p in at], capacity)
+            self._touch(bit, route.key, at, [info.hashes[p] for p in at], size * own)
 
-    def _touch(self, bit: int, key: int, at: Sequence[int], recorded: Sequence[int], capacity: int) -> None:
+    def _touch(self, bit: int, key: int, at: Sequence[int], recorded: Sequence[int], room: float) -> None:
         """The pool model's part of recording a prompt: its key and the blocks recorded at
-        positions ``at`` (``recorded``) just used at ``bit``; what the model evicts, the index forgets."""
+        positions ``at`` (``recorded``) just used at ``bit``, whose pool has ``room`` tokens for it
+        (counted in blocks of characters, at the characters per token learned); what the model
+        evicts, the index forgets."""
         weights = [0] + [p - (at[i - 1] if i else -1) for i, p in enumerate(at)]
+        capacity = int(room * self.learned.chars_per_token() / self.settings.block_chars)
         evicted = self.pools.touch(bit, [key, *recorded], weights, capacity)
         if evicted:
             self.index.forget(evicted, bit)
@@ -477,7 +478,7 @@ class TTFTAffinity:
         stop.)"""
         if not r.kv_tokens:
             return None
-        n = load_now(r) * r.weight
+        n = others_reported(r) + r.in_flight
         return max(0.0, r.kv_tokens - (n + _P95_Z * n ** 0.5) * self.learned.output.get(0.0))
 
     def _sharing(self) -> bool:  # block facts go out and come in: another instance listens
@@ -574,9 +575,9 @@ class TTFTAffinity:
             self.gossip.note(PLACED, route.key, replica)
 
     def _remember(self, replicas: Sequence[ReplicaView], rates: Sequence[float | None]) -> None:
-        """Each replica's pool size as scraped and its rate as priced now, for the facts about it
+        """Each replica's room for cached prompts and its rate as priced now, for the facts about it
         (``learn_remote``)."""
-        sizes, known = self._kv_tokens, self._rates
+        sizes, known = self._rooms, self._rates
         if len(known) > MAX_REPLICA_IDS:  # names come and go (DNS pods): start afresh, as ``bits`` does
             sizes.clear()
             known.clear()
