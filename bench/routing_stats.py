@@ -75,6 +75,12 @@ class RunStats:
         return max(counts) / mean if mean else float("nan")
 
     @property
+    def idle_replicas(self) -> int:
+        """Replicas that served no request over the whole run: capacity left unused, which the
+        max/mean of the request counts does not show."""
+        return sum(1 for c in self.requests_per_replica if c == 0)
+
+    @property
     def throughput(self) -> float:
         return self.output_tokens / self.makespan if self.makespan else 0.0
 

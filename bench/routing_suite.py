@@ -42,6 +42,11 @@ it back. Per family, each cell is min / median / max over seeds of:
   replica's next request could not get KV blocks for its prompt and output
   (its running requests held them). Prefill does not explain that part of a wait;
 * ``req m/m``: max/mean per-replica request counts over the run;
+* ``idle`` (shown only where some run left a replica unused): replicas that
+  served no request over the whole run. A router that leaves replicas idle
+  while the others queue for their seats loses the tail (max/mean hides it);
+  one that leaves them idle with the lowest p95 has merely found the fleet too
+  large;
 * ``if/bound``: the max over routing decisions of the chosen replica's
   in-flight (this request included) over ceil(1.25 x mean in-flight);
   above 1.00 the bounded-loads cap was broken at least once;
@@ -178,7 +183,7 @@ def _row(s: RunStats, reference_hit: float, ideal: float, instances: int = 1) ->
         "max_over_mean_requests": s.max_over_mean_requests, "max_in_flight_over_bound": s.max_bound_ratio,
         "decisions_over_bound": s.over_bound, "max_over_mean_load": s.max_over_mean_load,
         "sim_s": s.makespan, "max_in_flight": s.max_in_flight, "wall_s": s.wall_s,
-        "kv_wait_tail_s": s.kv_wait_tail(), "instances": instances,
+        "kv_wait_tail_s": s.kv_wait_tail(), "idle_replicas": s.idle_replicas, "instances": instances,
     }
 
 
@@ -240,10 +245,13 @@ def format_family(family: Family, runs: list[dict[str, Any]], policies: Sequence
     # Waiting for KV blocks happens only where pools are small for the prompts (--kv-tokens):
     # the column is shown when some run of the family did.
     kv_wait = any(r["rows"][p].get("kv_wait_tail_s", 0.0) > 0 for r in runs for p in policies)
+    # Replicas left without a request: shown when some run left one.
+    idle = any(r["rows"][p].get("idle_replicas", 0) for r in runs for p in policies)
     # The scale-out figure belongs to the multi-instance rows only (--instances): no column without them.
     scale_out = any("of_single" in r["rows"][p] for r in runs for p in policies)
     header = ["policy", "hit", "%ref", *(["x1 share"] if scale_out else []), "TTFT p50", "TTFT p95",
-              *(["KV wait"] if kv_wait else []), "req m/m", "if/bound", "p95 best"]
+              *(["KV wait"] if kv_wait else []), "req m/m", *(["idle"] if idle else []), "if/bound",
+              "p95 best"]
     table = [header]
     for p in policies:
         rows = [r["rows"][p] for r in runs]
@@ -253,6 +261,7 @@ def format_family(family: Family, runs: list[dict[str, Any]], policies: Sequence
             _cell([x["ttft_p50_s"] for x in rows], _ms), _cell([x["ttft_p95_s"] for x in rows], _ms),
             *([_cell([x["kv_wait_tail_s"] for x in rows], _ms)] if kv_wait else []),
             _cell([x["max_over_mean_requests"] for x in rows], lambda v: f"{v:.2f}"),
+            *([_cell([x.get("idle_replicas", 0) for x in rows], lambda v: f"{v:.0f}")] if idle else []),
             _cell([x["max_in_flight_over_bound"] for x in rows], lambda v: f"{v:.2f}"),
             "-" if p in REFERENCES else f"{best_p95(runs, p, tie)}/{len(runs)}",
         ])

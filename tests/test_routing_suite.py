@@ -430,3 +430,33 @@ def test_layered_prompts_share_exactly_their_common_layers() -> None:
         common += 1
     assert common * 16 >= sum((lay.global_tokens, min(lay.org_tokens), min(lay.tool_tokens))) - 16
     assert w.requests[a].kv_hashes[-1] != w.requests[b].kv_hashes[-1]
+
+
+def test_the_suite_shows_replicas_left_without_a_request() -> None:
+    # One prompt, sent again and again, to two replicas: hashing its key keeps every copy on one
+    # replica and leaves the other idle for the whole run, which max/mean alone does not say (a
+    # 2.00 is also one replica with two thirds of the traffic of three); round robin uses both.
+    body = {"model": "m", "messages": [{"role": "user", "content": "the same question every time"}]}
+    reqs = [Request(rid=i, endpoint="chat", model="m", namespace="default", build=lambda: body,
+                    prompt_tokens=64, output_tokens=4, kv_hashes=[b"a", b"b", b"c", b"d"], arrival=i * 0.05)
+            for i in range(20)]
+    w = Workload("same", reqs, "one prompt repeated")
+    hashed = simulate(w, POLICIES["consistent_hash"], SimSettings(replicas=2))
+    spread = simulate(w, POLICIES["round_robin"], SimSettings(replicas=2))
+    assert sorted(hashed.requests_per_replica) == [0, 20] and hashed.idle_replicas == 1
+    assert spread.idle_replicas == 0
+
+    family = next(f for f in FAMILIES if f.name == "heavy4-closed8")
+    run = {"family": family.name, "seed": 1, "requests": 20, "ideal": 1.0, "reference": 1.0, "pool_tokens": 1 << 20,
+           "working_set_tokens": 64, "pool_floor_tokens": 64, "pool_ratio": 2.0, "pool_overridden": False,
+           "rows": {"consistent_hash": routing_suite._row(hashed, 1.0, 1.0),
+                    "round_robin": routing_suite._row(spread, 1.0, 1.0)}}
+    shown = routing_suite.format_family(family, [run], ["consistent_hash", "round_robin"], 0.05)
+    lines = shown.splitlines()
+    header = next(line for line in lines if line.startswith("policy"))
+    at = header.index(" idle") + len(" idle")  # the cells are right-aligned under it
+    cells = {line.split()[0]: line[:at].rsplit("  ", 1)[-1].strip() for line in lines
+             if line.startswith(("consistent_hash", "round_robin"))}
+    assert cells == {"consistent_hash": "1 / 1 / 1", "round_robin": "0 / 0 / 0"}  # min / median / max
+    run["rows"] = {"round_robin": run["rows"]["round_robin"]}
+    assert "idle" not in routing_suite.format_family(family, [run], ["round_robin"], 0.05)
