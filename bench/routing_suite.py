@@ -45,8 +45,7 @@ it back. Per family, each cell is min / median / max over seeds of:
 * ``idle`` (shown only where some run left a replica unused): replicas that
   served no request over the whole run. A router that leaves replicas idle
   while the others queue for their seats loses the tail (max/mean hides it);
-  one that leaves them idle with the lowest p95 has merely found the fleet too
-  large;
+  one that leaves them idle with the lowest p95 had no need of them;
 * ``if/bound``: the max over routing decisions of the chosen replica's
   in-flight (this request included) over ceil(1.25 x mean in-flight);
   above 1.00 the bounded-loads cap was broken at least once;

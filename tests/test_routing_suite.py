@@ -434,8 +434,8 @@ def test_layered_prompts_share_exactly_their_common_layers() -> None:
 
 def test_the_suite_shows_replicas_left_without_a_request() -> None:
     # One prompt, sent again and again, to two replicas: hashing its key keeps every copy on one
-    # replica and leaves the other idle for the whole run, which max/mean alone does not say (a
-    # 2.00 is also one replica with two thirds of the traffic of three); round robin uses both.
+    # replica and leaves the other idle for the whole run, which max/mean alone does not say (three
+    # replicas, one of them taking two thirds of the traffic, give the same 2.00); round robin uses both.
     body = {"model": "m", "messages": [{"role": "user", "content": "the same question every time"}]}
     reqs = [Request(rid=i, endpoint="chat", model="m", namespace="default", build=lambda: body,
                     prompt_tokens=64, output_tokens=4, kv_hashes=[b"a", b"b", b"c", b"d"], arrival=i * 0.05)
