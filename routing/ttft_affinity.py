@@ -250,15 +250,14 @@ class TTFTAffinity:
             self._done(request, mark)
         predicted = request.scratch.pop(_PREDICTED, None)
         first = request.scratch.pop(_FIRST, None)
-        if feedback.ok:
-            chars = len(analyse(request, self.settings, self.keyer.chains).rendered.data) \
-                if feedback.prompt_tokens and not request.token_ids else 0
-            self.learned.reply(feedback, predicted, chars, None if first is None else self._clock() - first)
-        if not feedback.ok or request.scratch.get(_SENT) == feedback.replica:
-            return  # nothing learned, or recorded when it was sent there
-        info = analyse(request, self.settings, self.keyer.chains)
-        if not info.hashes:
-            return
+        if not feedback.ok:
+            return  # nothing learned
+        info = analyse(request, self.settings, self.keyer.chains)  # rendered once a request (cached)
+        # Characters per token from the reply, where routing had no token ids to count them by.
+        chars = len(info.rendered.data) if feedback.prompt_tokens and not request.token_ids else 0
+        self.learned.reply(feedback, predicted, chars, None if first is None else self._clock() - first)
+        if request.scratch.get(_SENT) == feedback.replica or not info.hashes:
+            return  # recorded when it was sent there, or nothing to record
         route = self.keyer.key_for(request, max(1, len(self.bits)), learn=False)
         bit = self.bits.bit_for(feedback.replica, self.index)
         if self._sharing():  # served elsewhere than sent (a retry): a placement too
@@ -577,12 +576,12 @@ class TTFTAffinity:
     def _remember(self, replicas: Sequence[ReplicaView], rates: Sequence[float | None]) -> None:
         """Each replica's room for cached prompts and its rate as priced now, for the facts about it
         (``learn_remote``)."""
-        sizes, known = self._rooms, self._rates
+        rooms, known = self._rooms, self._rates
         if len(known) > MAX_REPLICA_IDS:  # names come and go (DNS pods): start afresh, as ``bits`` does
-            sizes.clear()
+            rooms.clear()
             known.clear()
         for r, rate in zip(replicas, rates):
             room = self._room(r)
             if room:
-                sizes[r.name] = room
+                rooms[r.name] = room
             known[r.name] = rate
