@@ -20,7 +20,8 @@ for it, and a replica's events by the ids the replica stored. If they differ
 (a tokenizer or chat template other than the replica's, another revision, a
 model name mapped to the wrong directory), every lookup misses: each replica
 looks cold, so routing is blind to every cached prefix (the approximate index
-is not consulted for a live replica), and nothing else would say so. So each
+is not consulted for a live replica, unless other instances' block facts come
+in: ``routing.ttft_affinity``), and nothing else would say so. So each
 request served where it was sent is checked: its last prompt block must appear
 in that replica's events (``stale_s`` allowed for them). A replica none of
 whose last ``AGREEMENT_WINDOW`` checked requests appeared is routed

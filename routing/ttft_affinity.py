@@ -18,7 +18,9 @@ one question, in seconds (NVIDIA Dynamo's KV router asks it in blocks):
   any has, every figure stays in tokens. A replica at half speed reports half
   the rate.
 * ``held(r)``: how much of the prompt ``r`` holds, the largest of the named
-  estimates: its KV events (precise mode, ``routing.kv_events``), this
+  estimates: its KV events (precise mode, ``routing.kv_events``; there the
+  index below counts only with block facts, which add the others' placements
+  the events cannot show until they are prefilled), this
   instance's index of what it sent there (``routing.block_index``, kept to
   what the replica's pool can still hold by ``routing.pool_model``: its size,
   less the output its running requests pin, in blocks of characters at the
@@ -503,6 +505,7 @@ class TTFTAffinity:
         presumed = context * (0.0 if holders else share) * scale
         wide = route.shared * scale
         fleet_holds = any(precise.values())
+        sharing = self._sharing()
         depths = self.index.depths(info.hashes, (1 << len(self.bits)) - 1) if info.hashes else {}
         # Knows nothing of the request past its key: only then can another instance's fact
         # (share_index) say more than this instance's own blocks.
@@ -514,9 +517,15 @@ class TTFTAffinity:
                 best, source = precise[r.name] * block, "events"
                 if i == home and not fleet_holds and presumed > best:
                     best, source = presumed, "home"
-                held.append(min(best, prompt_tokens))
-                sources.append(source if best else "none")
-                continue
+                if not sharing:
+                    held.append(min(best, prompt_tokens))
+                    sources.append(source if best else "none")
+                    continue
+                # With block facts the index holds what every instance placed, a flush late; the
+                # events, only what was stored, a prefill late. The others' prompts still being
+                # prefilled are the index's alone: read on events only, eight precise instances
+                # saw an organisation's prompts nowhere, sent its people to every replica, and
+                # orgs-poisson-0.85 kept 0.83 of one instance's reuse (0.99 with the index).
             bit = self.bits.get(r.name)
             if bit is not None:
                 indexed = depths.get(bit, 0) * info.block * scale

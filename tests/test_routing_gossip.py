@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.routing_sim import BenchTruth
 from bench.routing_sim import SimView as View
 from gateway.admin import operations
 from gateway import redis_client
@@ -22,6 +23,7 @@ from gateway.settings import load_settings
 from routing import RouteFeedback, RouteRequest, RoutingSettings
 from routing.gossip import BLOCKS, DONE, HELD, MAX_HASHES, PLACED, BlockFact, Gossip, KeyFact, decode, encode
 from routing.keys import analyse
+from routing.kv_index import KVEventIndex
 from routing.prefix_affinity import PrefixAffinity
 from routing.ttft_affinity import TTFTAffinity
 from tests.support import chats
@@ -214,6 +216,37 @@ def test_with_block_facts_nothing_is_presumed() -> None:
     told = TTFTAffinity(RoutingSettings(share_index=True), Clock()).explain(request, busy)
     assert any(t.source == "home" for t in alone) and any(t.astray > 0 for t in alone)
     assert all(t.source != "home" and t.astray == 0 for t in told)
+
+
+def _with_ids(request: RouteRequest) -> RouteRequest:
+    """The request with token ids, as the gateway gives them where the model has a tokenizer: one a
+    character of its user turns (precise mode keys blocks by them)."""
+    text = "".join(m["content"] for m in request.body["messages"])
+    request.token_ids = [ord(ch) for ch in text]
+    return request
+
+
+def test_in_precise_mode_another_instances_placement_counts_before_its_events() -> None:
+    # Two precise instances over one fleet's events, which show nothing yet: a's request is still
+    # prefilling at the replica it chose. Told by a's block fact, b finds the prompt held there (the
+    # events say what is stored, the facts what was placed) and sends the next turn after it.
+    # Events alone, every replica looked cold to b, and eight instances sent an organisation's
+    # people everywhere (the benchmark page, twelfth stop).
+    shared = RoutingSettings(share_index=True)
+    events = KVEventIndex(16)
+    a, b, alone = (TTFTAffinity(s, Clock()) for s in (shared, shared, RoutingSettings()))
+    for p in (a, b, alone):
+        p.truth = BenchTruth(events, lambda: 0.0)
+    replicas = _fleet(kv_tokens=1e6)
+    went = a.prefer(_with_ids(conversation(5)), replicas)[0].name
+    relay(a, b)
+    nxt = _with_ids(conversation(5, turns=2))
+    told = {t.replica: t for t in b.explain(nxt, replicas)}
+    assert told[went].source in ("index", "key") and told[went].held > 0
+    assert all(t.held == 0 for name, t in told.items() if name != went)
+    assert b.peek(nxt, replicas)[0].name == went
+    # Without the facts the events are all there is: nothing is known held (a home is only presumed).
+    assert all(t.source in ("none", "home") for t in alone.explain(nxt, replicas))
 
 
 async def _carry(url: str) -> tuple[TTFTAffinity, TTFTAffinity, int, str]:
