@@ -19,7 +19,7 @@ one question, in seconds (NVIDIA Dynamo's KV router asks it in blocks):
   the rate.
 * ``held(r)``: how much of the prompt ``r`` holds, the largest of the named
   estimates: its KV events (precise mode, ``routing.kv_events``; there the
-  index below counts only with block facts, which add the others' placements
+  estimates below count only with block facts, which add the others' placements
   the events cannot show until they are prefilled), this
   instance's index of what it sent there (``routing.block_index``, kept to
   what the replica's pool can still hold by ``routing.pool_model``: its size,
