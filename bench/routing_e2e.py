@@ -40,6 +40,10 @@ row replays anything, every instance must report each replica precise in its
 
     python -m bench.routing_e2e --precise --policies prefix_affinity --instances 4
 
+A ``ttft precise`` row (with ``--precise``, named in ``--policies``) runs the default policy on
+the same events, and with ``--instances N`` also ``ttft precise+shared``: its instances sharing
+block facts through the Redis as well.
+
 ``heavy_orgs`` is the generated suite's ``heavy4-closed8`` family (as many
 heavy organisations as replicas, 8 closed-loop clients, a few hundred
 requests), ``heavy_orgs_burst`` its ``heavy4-burst16`` (16 clients in bursts
@@ -147,6 +151,12 @@ def build(name: str, args: argparse.Namespace, seed: int = 1) -> Workload:
 SHARED = "prefix_affinity+shared"
 # ttft's instances sharing block facts through the Redis (routing.share_index; routing.gossip).
 TTFT_SHARED = "ttft+shared"
+# ttft in precise mode (token ids and KV events, with --precise), alone or sharing block facts.
+TTFT_PRECISE = "ttft precise"
+TTFT_PRECISE_SHARED = "ttft precise+shared"
+# The rows that read the replicas' KV events, and the rows whose instances share facts (a Redis).
+PRECISE_ROWS = (PRECISE, TTFT_PRECISE, TTFT_PRECISE_SHARED)
+SHARED_ROWS = (SHARED, TTFT_SHARED, TTFT_PRECISE_SHARED)
 
 
 def request_body(req: Request, model: str) -> dict[str, Any]:
@@ -256,20 +266,20 @@ def _start_gateways(policy: str, sims: list[Any], workdir: Path, args: argparse.
         for _ in range(args.instances):
             gws.append(PEERS[peer][0](peer_policy, [s.url for s in sims], workdir))
         return
-    routing: dict[str, Any] = {"policy": policy}
+    routing: dict[str, Any] = {"policy": policy.partition("+")[0].partition(" ")[0]}
     extra: dict[str, Any] = {}
-    if policy in (SHARED, TTFT_SHARED):
-        routing = {"policy": policy.partition("+")[0], "share_index": True}
-        extra = {"redis_url": redis_url}
-    if policy == PRECISE:
-        routing = precise_routing(args.tokenizer)
+    if policy in PRECISE_ROWS:
+        routing = precise_routing(args.tokenizer, policy=routing["policy"])
         extra = {"replicas": replica_entries(sims)}
+    if policy in SHARED_ROWS:
+        routing["share_index"] = True
+        extra["redis_url"] = redis_url
     for i in range(args.instances):
         cfg = kvgate_config(free_port(), sims, routing=routing,
                             pool={"health_interval_s": 1.0, "metrics_interval_s": 1.0}, **extra)
         (workdir / str(i)).mkdir(exist_ok=True)
         gws.append(start_kvgate(workdir / str(i), cfg))
-    if policy == PRECISE:
+    if policy in PRECISE_ROWS:
         for gw in gws:
             _wait_precise(gw.url, len(sims))
 
@@ -301,7 +311,7 @@ async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: 
         counts = request_counts(sims)
         summary.update(policy=policy, fleet_hit_ratio=fleet_ratio([s.url for s in sims]), wall_s=wall,
                        requests_per_replica=counts, max_over_mean_requests=max_over_mean(counts))
-        if redis_url and policy in (SHARED, TTFT_SHARED):
+        if redis_url and policy in SHARED_ROWS:
             summary["facts_stream"] = facts_stream(redis_url)
         return summary
     finally:
@@ -374,17 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     args.replicas = args.replicas or counts.pop()
     if args.precise:
         args.policies += [x for x in ("prefix_affinity", PRECISE) if x not in args.policies]
-    elif PRECISE in args.policies:
-        p.error(f"the '{PRECISE}' row needs --precise (replicas that publish KV events)")
+    elif set(PRECISE_ROWS) & set(args.policies):
+        p.error(f"the rows {', '.join(PRECISE_ROWS)} need --precise (replicas that publish KV events)")
     for peer, (_, binary) in PEERS.items():
         if binary() is None and any(x.startswith(peer + ":") for x in args.policies):
             print(f"{peer} not installed (pip install {peer}, the bench extra): its rows are left out", flush=True)
             args.policies = [x for x in args.policies if not x.startswith(peer + ":")]
     redis: RedisProc | None = None
-    for plain, shared in (("prefix_affinity", SHARED), ("ttft", TTFT_SHARED)):
+    for plain, shared in (("prefix_affinity", SHARED), ("ttft", TTFT_SHARED), (TTFT_PRECISE, TTFT_PRECISE_SHARED)):
         if args.instances > 1 and plain in args.policies and shared not in args.policies:
             args.policies.append(shared)
-    if {SHARED, TTFT_SHARED} & set(args.policies) and args.redis_url is None:
+    if set(SHARED_ROWS) & set(args.policies) and args.redis_url is None:
         redis = RedisProc().start()
         args.redis_url = redis.url
     # One run per generated workload and seed ("family/sN"); the others once.

@@ -160,6 +160,10 @@ def test_end_to_end_runs_any_closed_loop_family_on_its_own_fleet_and_refuses_mix
     assert len(two.requests) == 40 and two.requests[0].kv_hashes != three.requests[0].kv_hashes
     with pytest.raises(SystemExit):
         routing_e2e.main(["--workloads", "chat-closed32", "heavy4-closed8"])
+    # A row that reads KV events needs replicas that publish them.
+    for row in routing_e2e.PRECISE_ROWS:
+        with pytest.raises(SystemExit):
+            routing_e2e.main(["--workloads", "heavy4-closed8", "--policies", row])
 
 
 def test_end_to_end_reads_and_clears_the_routing_facts_a_run_left_in_redis(private_redis) -> None:
