@@ -57,6 +57,7 @@ def replica_entries(sims: list[Sim], *, events: bool = True) -> list[dict[str, A
 
 
 def precise_routing(tokenizer: str, **extra: Any) -> dict[str, Any]:
-    """kvgate's ``routing`` for precise mode: ``prefix_affinity`` (the row ``PRECISE`` names; ``ttft``
-    precise is the tuning set's and the suite's ``--kv-events`` rows), and token ids from the replicas' tokenizer."""
+    """kvgate's ``routing`` for precise mode: ``prefix_affinity`` (the row ``PRECISE`` names) unless
+    ``extra`` names another policy (``bench.routing_e2e``'s ``ttft precise`` rows), and token ids from
+    the replicas' tokenizer."""
     return {"policy": "prefix_affinity", "tokenizers": {MODEL: tokenizer}, **extra}
