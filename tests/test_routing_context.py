@@ -56,16 +56,3 @@ def test_a_conversations_later_turns_follow_its_first() -> None:
     assert policy.prefer(conversation(9, 5, ORG), replicas)[0].name == served
     assert policy.prefer(conversation(2, 2, ORG), replicas)[0].name == home
     assert policy.prefer(conversation(10, 1, ORG), replicas)[0].name in (home, served)
-
-
-def test_a_prefix_is_wide_only_once_more_requests_than_replicas_carried_it() -> None:
-    # Wide means warm on every replica (the whole organisation's policies credited
-    # everywhere), which a prefix cannot be before it was sent to every replica: with
-    # nothing set by hand, the count it needs is the fleet's size.
-    for replicas in (2, 4, 8, 16):
-        keyer = PrefixKeyer(RoutingSettings())
-        keys = [keyer.key_for(twin(t, t), replicas) for t in range(1, 3 * replicas)]
-        first_wide = next(i for i, k in enumerate(keys) if k.shared)
-        assert first_wide == replicas + 1, (replicas, first_wide)  # n + 1 earlier requests
-        assert all(k.key == keys[0].key for k in keys[:first_wide])  # the organisation's key
-        assert len({k.key for k in keys[first_wide:]}) == len(keys) - first_wide  # then each twin's
