@@ -154,9 +154,11 @@ TTFT_SHARED = "ttft+shared"
 # ttft in precise mode (token ids and KV events, with --precise), alone or sharing block facts.
 TTFT_PRECISE = "ttft precise"
 TTFT_PRECISE_SHARED = "ttft precise+shared"
-# The rows that read the replicas' KV events, and the rows whose instances share facts (a Redis).
+# The rows that read the replicas' KV events; each row whose instances can share facts (a Redis),
+# and its twin that does (added with --instances N).
 PRECISE_ROWS = (PRECISE, TTFT_PRECISE, TTFT_PRECISE_SHARED)
-SHARED_ROWS = (SHARED, TTFT_SHARED, TTFT_PRECISE_SHARED)
+SHARED_TWINS = {"prefix_affinity": SHARED, "ttft": TTFT_SHARED, TTFT_PRECISE: TTFT_PRECISE_SHARED}
+SHARED_ROWS = tuple(SHARED_TWINS.values())
 
 
 def request_body(req: Request, model: str) -> dict[str, Any]:
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV pool per replica in 16-token blocks (overrides --pool-ratio; --kv-tokens wins)")
     p.add_argument("--instances", type=int, default=1, help="kvgate processes (requests spread at random)")
     p.add_argument("--redis-url", default=None,
-                   help=f"Redis for {SHARED} and {TTFT_SHARED} (default: a private redis-server)")
+                   help=f"Redis for {', '.join(SHARED_ROWS)} (default: a private redis-server)")
     p.add_argument("--precise", action="store_true",
                    help=f"replicas with a real tokenizer and KV events, and a '{PRECISE}' row beside 'prefix_affinity'")
     args = p.parse_args(argv)
@@ -391,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{peer} not installed (pip install {peer}, the bench extra): its rows are left out", flush=True)
             args.policies = [x for x in args.policies if not x.startswith(peer + ":")]
     redis: RedisProc | None = None
-    for plain, shared in (("prefix_affinity", SHARED), ("ttft", TTFT_SHARED), (TTFT_PRECISE, TTFT_PRECISE_SHARED)):
+    for plain, shared in SHARED_TWINS.items():
         if args.instances > 1 and plain in args.policies and shared not in args.policies:
             args.policies.append(shared)
     if set(SHARED_ROWS) & set(args.policies) and args.redis_url is None:
