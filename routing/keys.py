@@ -19,6 +19,15 @@ carrying more than ``hot_fraction / replicas`` of the requests:
   a home and meet its 16K tokens of policies, agent and tool schemas warm;
 * if every cut up to the cap is wide, the deepest one keys the request.
 
+Nothing here is set by hand. A share is judged at the 95th percentile of its
+count (``routing.hotness``): a handful of requests for a prefix in all of them,
+and never by chance for one near a replica's share. A wide prefix is credited
+as warm on every replica (``RouteKey.shared``), but only once it can be: until
+it turned wide its requests shared its key and went to one home; past it they
+go to their own keys' homes, drawn like a fair die, which reaches all n faces
+in n·H_n throws on average. Crediting it at once made a cold replica look as
+warm as the warm one (docs/benchmarks/routing-ttft.md, thirteenth stop).
+
 Shares are learned per instance (``routing.hotness``); a prefix in every
 request or in one conversation is classified the same way everywhere, which is
 all instances need to agree. The threshold is a whole replica's share of
@@ -45,17 +54,23 @@ __all__ = ["PrefixInfo", "RouteKey", "analyse", "PrefixKeyer"]
 
 _SCRATCH_INFO = "kvgate.prefix"
 _SCRATCH_KEY = "kvgate.key"
-# A prefix must be seen this many times within the window (at least 64 requests) before
-# it can be wide: a burst of turns from one conversation never qualifies. Still without a
-# principle (issue 26, item 6). "More requests than replicas" in their place credited a
-# two-replica fleet's system prompt to the cold replica at the fourth request, and gained
-# four instances nothing end to end (docs/benchmarks/routing-ttft.md, thirteenth stop).
-_WIDE_MIN_COUNT = 8
 # A first span this many blocks long has its sampled cuts kept (shorter: cheaper to redo),
 # for this many distinct first spans (then forgotten at once: they are recomputed cheaply).
 _INNER_MIN_BLOCKS = 16
 _INNER_CAPACITY = 4096
 _xxh = xxhash.xxh3_64_intdigest
+_SPREAD: dict[int, int] = {}
+
+
+def _spread(n: int) -> int:
+    """Throws of a fair n-sided die until every face has come up, on average: n·H_n, rounded up."""
+    got = _SPREAD.get(n)
+    if got is None:
+        harmonic = 0.0
+        for k in range(1, n + 1):
+            harmonic += 1.0 / k
+        got = _SPREAD[n] = math.ceil(n * harmonic - 1e-9)
+    return got
 
 
 # Named tuples rather than frozen dataclasses: both are made for every request, and a
@@ -72,9 +87,10 @@ class PrefixInfo(NamedTuple):
 class RouteKey(NamedTuple):
     key: int  # hash of the exact prefix data[:cut]
     cut: int  # bytes of prefix the key covers
-    # The deepest wide cut (0 if none): a prefix carried by more than a replica's
-    # share of the traffic is on every replica that serves any of it, so every
-    # replica is credited with it (a system prompt in every request is warm everywhere).
+    # The deepest wide cut whose traffic has spread (0 if none): a prefix carried by
+    # more than a replica's share of the traffic is on every replica that serves any of
+    # it, so every replica is credited with it (a system prompt in every request is warm
+    # everywhere), once the requests past it could have reached them all (module doc).
     shared: int = 0
 
 
@@ -166,16 +182,23 @@ class PrefixKeyer:
         info = analyse(request, self.settings, self.chains)
         n = max(replicas, 1)
         wide_share = self.settings.hot_fraction / n
-        window = max(64, math.ceil(_WIDE_MIN_COUNT / wide_share))
         cuts, keys = self._cuts(info)
+        popularity = self.popularity
         if learn:
             # Every cut is counted, not only the walked ones: a deeper prefix's share
             # must be known from the start, or it would lag behind its parent's.
-            i = self.popularity.first_narrow(keys, window, wide_share, record=True)
-            self.popularity.tick()
+            i = popularity.first_narrow(keys, wide_share, record=True)
+            popularity.tick()
         else:
-            i = self.popularity.first_narrow(keys, window, wide_share, record=False)
-        chosen = RouteKey(keys[i], cuts[i], cuts[i - 1] if i else 0) if keys else RouteKey(info.seed, 0)
+            i = popularity.first_narrow(keys, wide_share, record=False)
+        # Credited everywhere only once spread (module doc): until it turned wide, its requests
+        # shared its key and went to one home; past it, they go to their own keys' homes, which
+        # rendezvous hashing draws like a fair die, and a die reaches all n faces in n·H_n
+        # throws on average (the coupon collector). This instance's throws alone are counted.
+        j, spread = i - 1, _spread(n)
+        while j >= 0 and popularity.since_wide(keys[j]) < spread:
+            j -= 1
+        chosen = RouteKey(keys[i], cuts[i], cuts[j] if j >= 0 else 0) if keys else RouteKey(info.seed, 0)
         if learn:
             request.scratch[self._slot] = (self, chosen)
         return chosen

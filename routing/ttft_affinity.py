@@ -146,6 +146,7 @@ from .backlog import CHARS_PER_TOKEN, Backlog
 from .base import ReplicaView, RouteFeedback, RouteRequest, load_now, others_reported
 from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
 from .gossip import DONE, MAX_HASHES, PLACED, BlockFact, Fact, Gossip
+from .hotness import P95_Z as _P95_Z
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
 from .kv_events import KVEvents
 from .pool_model import PoolModel
@@ -171,9 +172,6 @@ _TOKEN = "kvgate.gossip_token"
 _MAX_QUEUED_REMOTE = 1 << 16
 # When its first token came (``started``): the rest of its time is a seat's.
 _FIRST = "kvgate.first_token_at"
-# The standard normal's 95th percentile: the room a pool keeps is for the 95th percentile of the
-# requests it runs (``_room``), as users judge the time to first token at its p95.
-_P95_Z = 1.645
 
 
 class TTFTAffinity:

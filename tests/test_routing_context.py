@@ -56,3 +56,19 @@ def test_a_conversations_later_turns_follow_its_first() -> None:
     assert policy.prefer(conversation(9, 5, ORG), replicas)[0].name == served
     assert policy.prefer(conversation(2, 2, ORG), replicas)[0].name == home
     assert policy.prefer(conversation(10, 1, ORG), replicas)[0].name in (home, served)
+
+
+def test_a_prefix_is_wide_at_the_95th_percentile_of_its_count_and_credited_everywhere_once_spread() -> None:
+    # Wide (keyed past) once its count is past a replica's share at the 95th percentile
+    # (routing.hotness): from the 14th request on 2 replicas, the 7th on 4, the 5th on 8 and
+    # 16. Credited to every replica only once the requests past it could have reached them
+    # all: the coupon collector's n·H_n, 3 for 2 replicas, 9 for 4, 22 for 8 and 55 for 16.
+    for replicas, wide_at, spread in ((2, 14, 3), (4, 7, 9), (8, 5, 22), (16, 5, 55)):
+        keyer = PrefixKeyer(RoutingSettings())
+        keys = [keyer.key_for(twin(t, t), replicas) for t in range(1, wide_at + spread + 4)]
+        first_wide = next(i for i, k in enumerate(keys) if k.key != keys[0].key)
+        assert first_wide == wide_at - 1, (replicas, first_wide)
+        assert len({k.key for k in keys[first_wide:]}) == len(keys) - first_wide  # then each twin's
+        first_credited = next(i for i, k in enumerate(keys) if k.shared)
+        assert first_credited == first_wide + spread - 1, (replicas, first_credited)
+        assert all(k.shared == keys[first_credited].shared for k in keys[first_credited:])

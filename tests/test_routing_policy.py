@@ -196,23 +196,23 @@ def test_popularity_needs_repeated_evidence_before_a_prefix_is_wide() -> None:
     from routing.hotness import Popularity
 
     pop = Popularity(capacity=100)
-    window, wide = 64, 1 / 8
+    wide = 1 / 8
     for _ in range(3):  # a burst of three turns of one conversation
-        pop.first_narrow([1], window, wide, record=True)
+        pop.first_narrow([1], wide, record=True)
         pop.tick()
-    assert pop.first_narrow([1], window, wide, record=False) == 0  # not wide: chosen
+    assert pop.first_narrow([1], wide, record=False) == 0  # not wide: chosen
     for _ in range(10):  # a prefix in every request
-        pop.first_narrow([2], window, wide, record=True)
+        pop.first_narrow([2], wide, record=True)
         pop.tick()
-    assert pop.first_narrow([2, 1], window, wide, record=False) == 1  # wide: passed over
+    assert pop.first_narrow([2, 1], wide, record=False) == 1  # wide: passed over
     # The first key not wide is chosen; a peek records nothing.
-    assert pop.first_narrow([2, 1, 3], window, wide, record=False) == 1
-    assert pop.first_narrow([2, 2], window, wide, record=False) == 1  # all wide: the deepest
-    assert pop.first_narrow([3], window, wide, record=False) == 0  # never seen: share 0
+    assert pop.first_narrow([2, 1, 3], wide, record=False) == 1
+    assert pop.first_narrow([2, 2], wide, record=False) == 1  # all wide: the deepest
+    assert pop.first_narrow([3], wide, record=False) == 0  # never seen: share 0
     for k in range(1000):
-        pop.first_narrow([2, 1000 + k], window, wide, record=True)
+        pop.first_narrow([2, 1000 + k], wide, record=True)
     assert len(pop) <= 100, "bounded memory"
-    assert pop.first_narrow([2, 1], window, wide, record=False) == 1, "a key in every request stays wide"
+    assert pop.first_narrow([2, 1], wide, record=False) == 1, "a key in every request stays wide"
 
 
 def test_decisions_the_bound_made_against_the_cost_are_counted() -> None:
@@ -238,3 +238,37 @@ def test_decisions_the_bound_made_against_the_cost_are_counted() -> None:
     # What /metrics exports of it.
     samples = {s.name: s.value for family in _PolicyCollector(lambda: policy).collect() for s in family.samples}
     assert samples["kvgate_routing_bound_overrides_total"] == 1
+
+
+def test_popularity_counts_the_requests_since_a_prefix_turned_wide_and_forgets_them_when_narrow() -> None:
+    from routing.hotness import Popularity
+
+    pop = Popularity(capacity=100)
+    wide = 1 / 2  # two replicas: count - 1.645 sqrt(count) > age / 2 first holds at 13 of 14
+    seen = []
+    for _ in range(16):
+        pop.first_narrow([7], wide, record=True)
+        pop.tick()
+        seen.append(pop.since_wide(7))
+    assert seen == [0] * 13 + [1, 2, 3]  # judged on the count before each request: wide at the 14th
+    assert pop.first_narrow([7, 8], wide, record=False) == 1 and pop.since_wide(7) == 3  # a peek moves nothing
+    for k in range(40):  # other traffic: its share falls below a replica's
+        pop.first_narrow([100 + k], wide, record=True)
+        pop.tick()
+    assert pop.first_narrow([7, 8], wide, record=True) == 0
+    assert pop.since_wide(7) == 0 and pop.since_wide(12345) == 0
+
+
+def test_a_share_near_a_replicas_is_not_judged_wide_by_chance() -> None:
+    from routing.hotness import Popularity
+
+    # Four organisations on four replicas: each has exactly a replica's share. A point
+    # estimate over a short window flips them; the 95th percentile of the count does not.
+    pop = Popularity(capacity=1000)
+    rng = random.Random(5)
+    flips = 0
+    for _ in range(2000):
+        org = rng.randrange(4)
+        flips += pop.first_narrow([org, 1000 + rng.randrange(10**6)], 1 / 4, record=True) != 0
+        pop.tick()
+    assert flips < 2000 * 0.05, flips  # a point estimate: about half
