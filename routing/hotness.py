@@ -9,7 +9,7 @@ at the 95th percentile of a Poisson count: ``count - z sqrt(count) > share *
 age``. So a prefix in every request is wide from its 5th request in a fleet of
 8 (or 16), its 7th in one of 4 and its 14th in one of 2, while a prefix whose
 share is near a replica's (4 organisations on 4 replicas) is not judged wide by
-chance, as a point estimate judged it about half the time. Every instance sees
+chance, as the old point estimate judged it two requests in five. Every instance sees
 a random sample of the same traffic, so independent instances reach the same
 verdict on anything clearly hot (a global system prompt) or clearly not (one
 conversation), which is all the routing key needs.
@@ -78,7 +78,7 @@ class Popularity:
                 if narrow:
                     entry[2] = 0
                 elif not entry[2]:
-                    entry[2] = entry[0]
+                    entry[2] = count
                 entry[0] += 1
             if narrow:
                 found = j
@@ -90,7 +90,7 @@ class Popularity:
         return found if found >= 0 else len(keys) - 1
 
     def since_wide(self, key: int) -> int:
-        """How many requests have carried ``key`` since it was last judged wide (0: it is not)."""
+        """How many requests have carried ``key`` since it turned wide (0: it is narrow, or unknown)."""
         entry = self._young.get(key) or self._old.get(key)
         return entry[0] - entry[2] if entry is not None and entry[2] else 0
 
