@@ -54,10 +54,10 @@ class Popularity:
         self._tick += 1
 
     def first_narrow(self, keys: list[int], wide: float, record: bool) -> int:
-        """The index of the first key whose share is at most ``wide`` (else the last),
-        and with ``record`` each key counted for this request: one pass for both."""
+        """The index of the first key not judged wide, its count not past ``wide`` of its age at
+        the 95th percentile (module doc; else the last), and with ``record`` each key counted
+        for this request: one pass for both."""
         young, old, tick = self._young, self._old, self._tick
-        # Wide where the count is past ``wide`` of the age at the 95th percentile (module doc).
         found = -1
         for j, key in enumerate(keys):
             entry = young.get(key)

@@ -146,7 +146,7 @@ from .backlog import CHARS_PER_TOKEN, Backlog
 from .base import ReplicaView, RouteFeedback, RouteRequest, load_now, others_reported
 from .block_index import MAX_REPLICA_IDS, BlockIndex, ReplicaBits
 from .gossip import DONE, MAX_HASHES, PLACED, BlockFact, Fact, Gossip
-from .hotness import P95_Z as _P95_Z
+from .hotness import P95_Z
 from .keys import PrefixInfo, PrefixKeyer, RouteKey, analyse
 from .kv_events import KVEvents
 from .pool_model import PoolModel
@@ -478,7 +478,7 @@ class TTFTAffinity:
         if not r.kv_tokens:
             return None
         n = others_reported(r) + r.in_flight
-        return max(0.0, r.kv_tokens - (n + _P95_Z * n ** 0.5) * self.learned.output.get(0.0))
+        return max(0.0, r.kv_tokens - (n + P95_Z * n ** 0.5) * self.learned.output.get(0.0))
 
     def _sharing(self) -> bool:  # block facts go out and come in: another instance listens
         return self.gossip is not None and self.gossip.listening
