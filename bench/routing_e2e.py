@@ -49,9 +49,12 @@ heavy organisations as replicas, 8 closed-loop clients, a few hundred
 requests), ``heavy_orgs_burst`` its ``heavy4-burst16`` (16 clients in bursts
 of 1 s every 3 s), ``orgs_layered`` its ``layered-4orgs-closed8``
 (organisation-layered prompts, 4 organisations on 4 replicas, 8 clients);
-Any other closed-loop family of the suite runs by its own name, on its own
-number of replicas (``chat-closed32`` on 8), so the real peers can be set
-beside kvgate on families nothing was tuned on:
+Any other family of the suite runs by its own name, on its own number of
+replicas (``chat-closed32`` on 8), so the real peers can be set beside kvgate
+on families nothing was tuned on. An open-loop family keeps its Poisson
+arrivals, rescaled to its own load on these replicas' timing (``at_load``);
+``--requests`` sets its length, and ``--concurrency`` (default 64) caps the
+requests outstanding, so set it above what the slowest router queues:
 
     python -m bench.routing_e2e --workloads layered-8orgs-closed8 layered-16orgs-closed8 --seeds 2 3 \
         --policies round_robin least_load prefix_affinity ttft smg:cache_aware vllm-router:cache_aware
@@ -85,6 +88,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +99,16 @@ from bench.chaos_fleet import (
     RedisProc, Sim, _kill, free_port, kvgate_config, metric_sum, parse_metrics, start_kvgate, start_sims)
 from bench.pools import DEFAULT_RATIO, PoolSize, pool_size
 from bench.precise_fleet import PRECISE, precise_routing, replica_entries, start_event_sims, tokenizer_dir
+from bench.routing import calibrate, ideal_hit_ratio
 from bench.routing_replay import Usage, replay, summarise
+from bench.routing_sim import SimSettings
 from bench.smg import SMG_POLICIES, smg_binary, start_smg
 from bench.vllm_router import VLLM_ROUTER_POLICIES, start_vllm_router, vllm_router_binary
 from bench.workloads import ClosedLoop, Request, Workload
 from bench.workloads.generated import FAMILIES, Family
 from gateway.proxy.pool import parse_vllm_metrics
 from gateway.routing_sync import STREAM
+from vllm_sim.timing import TimingModel
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16  # vllm_sim's default --block-size, which the replicas run with
@@ -133,7 +140,10 @@ def build(name: str, args: argparse.Namespace, seed: int = 1) -> Workload:
     if family is not None:
         from bench.workloads.generated import build as generated
 
-        return generated(family, seed, args.requests)
+        workload = generated(family, seed, args.requests)
+        if family.closed_loop is None:
+            at_load(workload, family.replicas, family.load)
+        return workload
     if name == "shared_prefix":
         from bench.workloads.shared_prefix import build as shared
 
@@ -146,6 +156,23 @@ def build(name: str, args: argparse.Namespace, seed: int = 1) -> Workload:
     from bench.workloads.mtbench import build as mtbench
 
     return mtbench(Path(args.data), rate=args.rate / 4, think_s=0.5, limit=args.requests // 3)
+
+
+def at_load(workload: Workload, replicas: int, load: float) -> float:
+    """Rescale an open-loop family's arrivals to ``load`` of these replicas, as the suite does for its own.
+
+    ``bench.routing.calibrate`` (engine work at the ideal hit ratio keeps ``load`` of the fleet
+    busy) on the timing the replicas here run with (``SIM_FLAGS``), each answer capped at the
+    ``MAX_TOKENS`` this client asks for: the same load as in the suite, on faster replicas and
+    shorter answers. Returns the arrival rate (requests per second)."""
+    capped = Workload(workload.name, [replace(r, output_tokens=min(r.output_tokens, MAX_TOKENS))
+                                      for r in workload.requests], workload.description)
+    rate = calibrate(capped, ideal_hit_ratio(workload), SimSettings(replicas=replicas, timing=TimingModel(
+        prefill_s_per_token=SIM_FLAGS["prefill_s_per_token"], decode_base_s=SIM_FLAGS["decode_base_s"],
+        max_num_seqs=int(SIM_FLAGS["max_num_seqs"]))), load)
+    for r, c in zip(workload.requests, capped.requests):
+        r.arrival = c.arrival
+    return rate
 
 
 SHARED = "prefix_affinity+shared"
@@ -321,7 +348,7 @@ async def run_policy(policy: str, workload: Workload, sims: list[Any], workdir: 
             _kill(gw.proc)
 
 
-HEADER = (f"{'workload':<28}{'policy':<28}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
+HEADER = (f"{'workload':<32}{'policy':<28}{'fleet hit (replica /metrics)':>30}{'hit (cached_tokens)':>21}"
           f"{'ttft p50':>10}{'ttft p95':>10}{'req max/mean':>14}  {'requests per replica':<22}{'errors':>7}")
 
 
@@ -344,7 +371,7 @@ def facts_stream(url: str) -> dict[str, int]:
 
 def _row(name: str, r: dict[str, Any]) -> str:
     counts = "/".join(str(c) for c in r["requests_per_replica"])
-    return (f"{name:<28}{r['policy']:<28}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
+    return (f"{name:<32}{r['policy']:<28}{r['fleet_hit_ratio']:>30.3f}{r['hit_ratio']:>21.3f}"
             f"{r['ttft_p50_s'] * 1000:>8.0f}ms{r['ttft_p95_s'] * 1000:>8.0f}ms{r['max_over_mean_requests']:>14.2f}"
             f"  {counts:<22}{r['errors']:>7}")
 
@@ -353,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--workloads", nargs="+", default=["shared_prefix", "mtbench"],
-                   choices=WORKLOADS + [f.name for f in FAMILIES if f.closed_loop is not None],
-                   help="the names above, or any closed-loop family of the generated suite (bench.routing_suite)")
+                   choices=WORKLOADS + [f.name for f in FAMILIES],
+                   help="the names above, or any family of the generated suite (bench.routing_suite)")
     p.add_argument("--policies", nargs="+", default=POLICIES)
     p.add_argument("--seeds", "--seed", dest="seeds", type=int, nargs="+", default=[1],
                    help="the draws of the generated workloads (each a run of its own; the others ignore it)")
@@ -419,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = asyncio.run(run_policy(policy, workload, sims, workdir, args, args.redis_url))
                 print(_row(name, r), flush=True)
                 if "facts_stream" in r:
-                    print(f"{'':<28}{'':<28}routing facts in Redis at the end: {r['facts_stream']['entries']} "
+                    print(f"{'':<32}{'':<28}routing facts in Redis at the end: {r['facts_stream']['entries']} "
                           f"entries, {r['facts_stream']['bytes'] / 1e6:.1f} MB", flush=True)
                 out.append({"workload": name, "description": workload.description, "pool_tokens": pool.kv_tokens,
                             "working_set_tokens": pool.working_set, **r})

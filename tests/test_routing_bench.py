@@ -19,6 +19,7 @@ from bench.routing_replay import Usage, replay, summarise
 from bench.routing_sim import SimSettings, simulate
 from bench.workloads import ClosedLoop, Request, Workload, shared_prefix, twin, unique
 from bench.workloads.generated import LAYERED, layered_layout
+from bench.workloads.generated import build as generated_build
 from bench.workloads.text import TextBank
 from routing import PrefixAffinity, RoutingSettings
 from vllm_sim.kv import block_hashes
@@ -148,7 +149,7 @@ def test_a_replica_at_half_speed_learns_half_the_rate_and_ttft_gives_it_less_col
     assert float(layered["round_robin"][4]) > 0.9 and float(layered["ttft"][4]) < 0.65
 
 
-def test_end_to_end_runs_any_closed_loop_family_on_its_own_fleet_and_refuses_mixed_fleets() -> None:
+def test_end_to_end_runs_any_family_on_its_own_fleet_at_its_own_load_and_refuses_mixed_fleets() -> None:
     from bench import routing_e2e
 
     args = argparse.Namespace(requests=40)
@@ -158,6 +159,20 @@ def test_end_to_end_runs_any_closed_loop_family_on_its_own_fleet_and_refuses_mix
     two, three = (routing_e2e.build("layered-8orgs-closed8", args, seed) for seed in (2, 3))
     assert two.closed_loop is not None and two.closed_loop.clients == 8
     assert len(two.requests) == 40 and two.requests[0].kv_hashes != three.requests[0].kv_hashes
+    # An open-loop family keeps its own arrivals, rescaled to its load on these replicas' timing:
+    # the conversations start at the rate ``at_load`` returns, and at twice the load in half the time.
+    family = routing_e2e.family_of("orgs-poisson-0.5")
+    assert family is not None and family.closed_loop is None
+    opened = routing_e2e.build(family.name, args, 1)
+    starts = sorted(r.arrival for r in opened.requests if r.after is None)
+    raw = generated_build(family, 1, 40)
+    rate = routing_e2e.at_load(raw, family.replicas, family.load)
+    assert opened.closed_loop is None and starts == sorted(r.arrival for r in raw.requests if r.after is None)
+    per_start = len(opened.requests) / len(starts)
+    assert (len(starts) - 1) / (starts[-1] - starts[0]) * per_start == pytest.approx(rate)
+    routing_e2e.at_load(raw, family.replicas, 2 * family.load)
+    twice = sorted(r.arrival for r in raw.requests if r.after is None)
+    assert twice[-1] - twice[0] == pytest.approx((starts[-1] - starts[0]) / 2)
     with pytest.raises(SystemExit):
         routing_e2e.main(["--workloads", "chat-closed32", "heavy4-closed8"])
     # A row that reads KV events needs replicas that publish them.
