@@ -40,6 +40,28 @@ def test_no_limit_until_the_replica_has_queued_then_its_seats_plus_the_probe() -
     assert r.capacity == 20
 
 
+def test_a_queue_beside_a_prompt_being_chunked_is_no_seat_count() -> None:
+    """vLLM spends each step's token budget on the running requests first (a long prompt's next
+    chunk), so a request can wait with seats free. Seats are learned only from a queue beside a
+    batch that none of this instance's requests runs mid-prefill (their first token not back)."""
+    pool, adm = _admission()
+    r = pool.add("r1", "http://127.0.0.1:1")
+    long_prompt, kept = pool.acquire(r), pool.acquire(r)  # neither has its first token
+    apply_vllm_metrics(r, _scrape(running=1, waiting=1))  # the long prompt chunked, one kept waiting
+    assert r.capacity is None and adm.limit(r) is None
+    long_prompt.started()  # decoding now: a queue beside it is one for seats (or KV blocks)
+    apply_vllm_metrics(r, _scrape(running=1, waiting=1))
+    assert r.capacity == 1 and r.capacity_confirmed
+    # What runs is a floor on the seats whatever waits beside it: a larger batch raises them.
+    third = pool.acquire(r)
+    apply_vllm_metrics(r, _scrape(running=3, waiting=0))
+    assert r.capacity == 3 and not r.capacity_confirmed
+    for lease in (long_prompt, kept, third):
+        lease.release()
+        lease.release()  # twice: counted once
+    assert r.in_flight == r.unstarted == 0
+
+
 def test_a_configured_limit_is_shared_with_the_replicas_other_clients_never_below_one() -> None:
     pool, adm = _admission()
     r = pool.add("r1", "http://127.0.0.1:1", max_in_flight=10)
@@ -163,6 +185,8 @@ async def test_a_waiter_handed_the_probe_seat_keeps_it_when_the_seat_is_withdraw
     noisy = Tenant("noisy", "n", "salt", queue_timeout_s=60)
     tickets = [adm.ticket(noisy, "standard", 10) for _ in range(4)]
     leases = [pool.acquire(r) for _ in range(5)]
+    for lease in leases[:4]:
+        lease.started()  # the 4 running are decoding: their first token is back
     for t in tickets:
         t.hold()
     apply_vllm_metrics(r, _scrape(running=4, waiting=1))
@@ -186,6 +210,8 @@ def test_no_probe_seat_once_the_replica_refused_one_while_slots_are_promised() -
     adm = Admission(pool, active=lambda: True, clock=lambda: clock[0])
     r = pool.add("r1", "http://127.0.0.1:1")
     leases = [pool.acquire(r) for _ in range(6)]  # all of them ours
+    for lease in leases[:4]:
+        lease.started()  # the 4 running are decoding: their first token is back
     apply_vllm_metrics(r, _scrape(running=4, waiting=2))
     quiet = Tenant("quiet", "q", "salt")
     ticket = adm.ticket(quiet, "standard", 10)
@@ -221,7 +247,10 @@ def test_a_seat_short_in_steps_where_a_request_ended_is_not_confirmed_so_the_pro
     leases = [pool.acquire(r) for _ in range(10)]  # a flood reached the replica before any limit
 
     def scrape(running: int) -> None:
-        """The replica's gauges, all of its requests ours; the pump, as after every scrape."""
+        """The replica's gauges, all of its requests ours, those running decoding; the pump, as
+        after every scrape."""
+        for lease in leases[:running]:
+            lease.started()
         apply_vllm_metrics(r, _scrape(running=running, waiting=len(leases) - running))
         adm.pump()
 

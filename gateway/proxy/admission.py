@@ -14,12 +14,13 @@ clients of the replica hold by its last scrape (running and waiting, minus ours
 at that scrape), never below one so a stale view cannot stall an instance. The
 capacity is ``max_in_flight`` when configured (an operator's number, taken as
 it is); else the seats the replica has shown it holds (``Replica.capacity``: its
-running count beside a queue) plus one. A replica that has never queued has no
+running count beside a queue, where none of this instance's requests runs
+mid-prefill: ``pool._learn_seats``) plus one. A replica that has never queued has no
 limit learned: it is not full by any evidence, and nothing waits for it.
 
 Why the learned limit is the seats plus one and no more: requests queued inside
 vLLM are served first-come, outside the tenants' order, and buy nothing, since
-vLLM takes a waiting request only when a seat frees, the moment our lease ends
+beside a full batch vLLM takes a waiting request only when a seat frees, the moment our lease ends
 and the slot goes to the next in our queue (the cost is one hop of idle seat).
 The one extra is the probe: if the replica has more seats than it has shown,
 it runs that request at once, its running count rises at the next scrape and

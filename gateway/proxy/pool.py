@@ -67,6 +67,9 @@ class Replica:
     ending: int = 0
     # The most ``held`` at once since the last scrape (``apply_vllm_metrics``).
     in_flight_peak: int = 0
+    # Of ``in_flight``, those whose first token has not come back (a stream's first event, or a
+    # whole answer): the replica keeps them waiting or is prefilling them (``_learn_seats``).
+    unstarted: int = 0
     # Shared load view, from the replica's own /metrics.
     waiting: float | None = None
     running: float | None = None
@@ -120,18 +123,27 @@ class Replica:
 class Lease:
     """One request's hold on a replica. ``release()`` may be called any number of times."""
 
-    __slots__ = ("replica", "_released", "_on_release")
+    __slots__ = ("replica", "_released", "_on_release", "_started")
 
     def __init__(self, replica: Replica, on_release: Callable[[Replica], None]) -> None:
         self.replica = replica
         self._released = False
+        self._started = False
         self._on_release = on_release
         replica.in_flight += 1
+        replica.unstarted += 1
         if replica.held > replica.in_flight_peak:
             replica.in_flight_peak = replica.held
 
+    def started(self) -> None:
+        """Its first token came back (``Replica.unstarted``); any number of calls."""
+        if not self._started:
+            self._started = True
+            self.replica.unstarted -= 1
+
     def release(self) -> None:
         if not self._released:
+            self.started()
             self._released = True
             self.replica.in_flight -= 1
             self._on_release(self.replica)
@@ -449,11 +461,19 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
 def _learn_seats(replica: Replica) -> None:
     """The replica's seats (``capacity``) from a scrape, and whether it has shown it has no more.
 
-    vLLM leaves a request waiting only when its batch is full (--max-num-seqs or KV blocks), so
-    what runs beside a queue is what it holds; once known, any larger batch it runs raises it
-    (admission's probe seat is how it gets the chance). The largest seen: a batch of long prompts
-    holds fewer, and kvgate would rather let the replica queue one request than leave seats
-    empty after a run of long prompts.
+    vLLM leaves a request waiting while seats are free only when the step's token budget
+    (--max-num-batched-tokens: 2048 by default on most GPUs, 8192 from 70 GB) went to prefill: it
+    schedules the running requests first, a long prompt's next chunk among them, and admits waiting
+    ones only while budget is left (``Scheduler.schedule``'s ``while token_budget > 0``). So a queue
+    shows the seats only beside a batch that is not prefilling; beside one that is, it shows a
+    prompt being chunked (a 6,000-token prompt beside one request kept waiting read as one seat,
+    confirmed). This instance knows which of its own requests have their first token: while more
+    of them lack it than the replica reports waiting, some of them run mid-prefill, and the scrape
+    learns no seats. Another client's prompt mid-prefill is not seen here. Beside a batch that is
+    not prefilling, what runs is what it holds (--max-num-seqs or KV blocks); once known, any
+    larger batch it runs raises it (admission's probe seat is how it gets the chance). The largest
+    seen: a batch of long prompts holds fewer, and kvgate would rather let the replica queue one
+    request than leave seats empty after a run of long prompts.
 
     The running count is a floor, never a ceiling: vLLM sets its gauges at the end of a step,
     after it counted the requests that finished in it out of running and before the next step
@@ -475,11 +495,12 @@ def _learn_seats(replica: Replica) -> None:
     more than ``capacity`` + 1 and nothing is confirmed: admission keeps the probe seat, the
     replica runs all its seats, and the count rises to them."""
     running, waiting = replica.running, replica.waiting
-    if not running or not (waiting or replica.capacity is not None):
+    full = bool(waiting) and replica.unstarted <= (waiting or 0.0)  # a queue beside no prefill of ours
+    if not running or not (full or replica.capacity is not None):
         return
     if replica.capacity is None or running > replica.capacity:
         replica.capacity, replica.capacity_confirmed = running, False
-    if waiting and replica.in_flight_peak + others_reported(replica) <= replica.capacity + 1:
+    if full and replica.in_flight_peak + others_reported(replica) <= replica.capacity + 1:
         replica.capacity_confirmed = True
 
 

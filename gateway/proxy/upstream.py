@@ -267,6 +267,8 @@ async def _attempts(
                     last_error = _no_first_event(pool, replica, call, e)
                     gone = isinstance(e, _GONE)
                     continue
+            # Its first token is back: a stream's first event, or a whole answer (``_learn_seats``).
+            lease.started()
             attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool,
                               prefer_s=prefer_s, ticket=ticket, head=head)
             if ticket is not None:
