@@ -67,8 +67,9 @@ class Replica:
     ending: int = 0
     # The most ``held`` at once since the last scrape (``apply_vllm_metrics``).
     in_flight_peak: int = 0
-    # Of ``in_flight``, those whose first token has not come back (a stream's first event, or a
-    # whole answer): the replica keeps them waiting or is prefilling them (``_learn_seats``).
+    # Of ``in_flight``, the streams whose first event has not come back: the replica keeps them
+    # waiting or is prefilling them (``_learn_seats``). An answer not streamed shows nothing before
+    # its end, so it is not counted: one of them mid-prefill is unseen, as another client's is.
     unstarted: int = 0
     # Shared load view, from the replica's own /metrics.
     waiting: float | None = None
@@ -467,9 +468,9 @@ def _learn_seats(replica: Replica) -> None:
     ones only while budget is left (``Scheduler.schedule``'s ``while token_budget > 0``). So a queue
     shows the seats only beside a batch that is not prefilling; beside one that is, it shows a
     prompt being chunked (a 6,000-token prompt beside one request kept waiting read as one seat,
-    confirmed). This instance knows which of its own requests have their first token: while more
+    confirmed). This instance knows which of its own streams have their first token: while more
     of them lack it than the replica reports waiting, some of them run mid-prefill, and the scrape
-    learns no seats. Another client's prompt mid-prefill is not seen here. Beside a batch that is
+    learns no seats. A request not streamed, or another client's, mid-prefill is not seen here. Beside a batch that is
     not prefilling, what runs is what it holds (--max-num-seqs or KV blocks); once known, any
     larger batch it runs raises it (admission's probe seat is how it gets the chance). The largest
     seen: a batch of long prompts holds fewer, and kvgate would rather let the replica queue one
@@ -495,7 +496,7 @@ def _learn_seats(replica: Replica) -> None:
     more than ``capacity`` + 1 and nothing is confirmed: admission keeps the probe seat, the
     replica runs all its seats, and the count rises to them."""
     running, waiting = replica.running, replica.waiting
-    full = bool(waiting) and replica.unstarted <= (waiting or 0.0)  # a queue beside no prefill of ours
+    full = waiting is not None and waiting > 0 and replica.unstarted <= waiting  # a queue beside no prefill of ours
     if not running or not (full or replica.capacity is not None):
         return
     if replica.capacity is None or running > replica.capacity:

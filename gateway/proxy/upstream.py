@@ -216,6 +216,8 @@ async def _attempts(
                 budget_held += held
             gone = False
             lease = pool.acquire(replica)
+            if call.first is None:
+                lease.started()  # an answer not streamed shows no first token: not counted (Replica.unstarted)
             try:
                 response = await pool.transport.handle_async_request(_request(replica, call, replica_keys, timeout))
             except httpx.TimeoutException as e:
@@ -267,8 +269,7 @@ async def _attempts(
                     last_error = _no_first_event(pool, replica, call, e)
                     gone = isinstance(e, _GONE)
                     continue
-            # Its first token is back: a stream's first event, or a whole answer (``_learn_seats``).
-            lease.started()
+            lease.started()  # a stream's first event is its first token (Replica.unstarted)
             attempt = Attempt(response, lease, retries=attempt_no, budget_held=budget_held, pool=pool,
                               prefer_s=prefer_s, ticket=ticket, head=head)
             if ticket is not None:
