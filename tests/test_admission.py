@@ -9,10 +9,17 @@ import httpx
 import orjson
 import pytest
 
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
 from gateway.proxy.admission import Admission, Ticket
-from gateway.proxy.pool import PoolEvents, ReplicaPool, apply_vllm_metrics
+from gateway.proxy.pool import Lease, PoolEvents, ReplicaPool, apply_vllm_metrics
 from gateway.settings import PoolSettings
 from policies.tenants import Tenant
+from routing.base import others_reported
+from tests.support.servers import ServerThread
 
 
 def _scrape(running: float, waiting: float) -> str:
@@ -60,6 +67,33 @@ def test_a_queue_beside_a_prompt_being_chunked_is_no_seat_count() -> None:
         lease.release()
         lease.release()  # twice: counted once
     assert r.in_flight == r.unstarted == 0
+
+
+@pytest.mark.anyio
+async def test_a_request_that_ends_while_the_replica_is_scraped_is_not_read_as_another_clients() -> None:
+    """The replica counts our request in its figures, and the request ends before they reach us:
+    ours are the more of our count when the scrape was sent and when it came back."""
+    ending: list[Lease] = []
+
+    async def metrics(request: Request) -> PlainTextResponse:
+        text = _scrape(running=1, waiting=0)  # the figures, taken while our request runs
+        ending.pop().release()  # ... which ends before they reach kvgate
+        return PlainTextResponse(text)
+
+    replica_server = ServerThread(Starlette(routes=[Route("/metrics", metrics)])).start()
+    pool = ReplicaPool(PoolSettings(), httpx.AsyncClient())
+    try:
+        r = pool.add("r1", replica_server.url)
+        ending.append(pool.acquire(r))
+        await pool.scrape(r)
+        assert not ending and r.in_flight == 0 and r.running == 1.0
+        assert others_reported(r) == 0.0  # with the count at the end only, 1: a phantom for a second
+        ending.append(pool.acquire(r))
+        apply_vllm_metrics(r, _scrape(running=3, waiting=0))  # the count now, where none is given
+        assert others_reported(r) == 2.0
+    finally:
+        await pool.client.aclose()
+        replica_server.stop()
 
 
 def test_a_configured_limit_is_shared_with_the_replicas_other_clients_never_below_one() -> None:

@@ -373,11 +373,12 @@ class ReplicaPool:
         self.events.on_refresh()
 
     async def scrape(self, replica: Replica) -> None:
+        ours = replica.in_flight  # before the replica takes its figures (``apply_vllm_metrics``)
         try:
             resp = await self.client.get(replica.url + "/metrics", timeout=httpx.Timeout(2.0))
             if resp.status_code != 200:
                 return
-            apply_vllm_metrics(replica, resp.text)
+            apply_vllm_metrics(replica, resp.text, ours_before=ours)
         except httpx.HTTPError:
             return
 
@@ -445,7 +446,9 @@ def _pool_tokens(labels: str) -> float | None:
     return float(tokens) if tokens > 0 else None
 
 
-def apply_vllm_metrics(replica: Replica, text: str) -> None:
+def apply_vllm_metrics(replica: Replica, text: str, ours_before: int | None = None) -> None:
+    """``text``, the replica's ``/metrics``, read into ``replica``; ``ours_before``: this instance's
+    requests in flight there when the scrape was sent (None: taken as those now)."""
     values = parse_vllm_metrics(text)
     tokens_sum, seconds_sum = values.pop("prefill_tokens_sum", None), values.pop("prefill_seconds_sum", None)
     if tokens_sum is not None and seconds_sum is not None:
@@ -453,8 +456,11 @@ def apply_vllm_metrics(replica: Replica, text: str) -> None:
         replica.prefill_rate = prefill_rate(tokens_sum, seconds_sum)
     for attr, value in values.items():
         setattr(replica, attr, value)
-    # Which of the reported requests were ours (routing.base.load_now).
-    replica.in_flight_at_scrape = replica.in_flight
+    # Which of the reported requests were ours (routing.base.load_now). The replica took its
+    # figures at some moment of the scrape's round trip; a request of ours that ended in it was
+    # still counted there, so ours are the more of our count at its start and at its end. With
+    # the count at the end only, each such request was read as another client's for a second.
+    replica.in_flight_at_scrape = replica.in_flight if ours_before is None else max(ours_before, replica.in_flight)
     _learn_seats(replica)
     replica.in_flight_peak = replica.held  # the next scrape's peak counts from here
 
