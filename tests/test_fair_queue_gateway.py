@@ -372,7 +372,7 @@ def test_a_runtime_tenants_class_set_through_the_admin_api_reaches_the_replica()
 
     fleet = Fleet({"prio": {"scheduling_policy": "priority"}}, [{"name": "file", "api_keys": ["sk-file"]}],
                   admin={"token": "adm"})
-    admin = ServerThread(build_admin_app(fleet.app.state.runtime), lifespan="off").start()
+    admin = fleet.gateway.beside(build_admin_app(fleet.app.state.runtime))
     try:
         auth = {"authorization": "Bearer adm"}
         made = httpx.post(admin.url + "/admin/tenants", headers=auth, timeout=10,
@@ -406,7 +406,7 @@ def test_a_config_reload_changes_what_a_replica_is_sent(tmp_path: Path) -> None:
     write("fcfs")
     app = build_app(load_settings(path, environ={}), config_path=path)
     gateway = ServerThread(app).start()
-    admin = ServerThread(build_admin_app(app.state.runtime), lifespan="off").start()
+    admin = gateway.beside(build_admin_app(app.state.runtime))
     try:
         assert _chat(gateway.url, "sk-a", "hi").status_code == 200
         assert "priority" not in capture.received[-1].body

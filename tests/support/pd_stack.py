@@ -43,7 +43,7 @@ class PDStack(GatewayAt):
         self.settings = load_settings(environ={}, overrides=_merge(base, overrides))
         app = build_app(self.settings, runtime=Runtime(self.settings, embedding_loader=shared_minilm))
         self.gateway = ServerThread(app).start()
-        self.admin = ServerThread(build_admin_app(app.state.runtime), lifespan="off").start()
+        self.admin = self.gateway.beside(build_admin_app(app.state.runtime))
 
     def admin_get(self, path: str) -> Any:
         r = httpx.get(self.admin.url + path, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5)

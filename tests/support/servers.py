@@ -124,3 +124,51 @@ class ServerThread:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    def beside(self, app: Any, **config: Any) -> "ServerBeside":
+        """Another listener, for ``app``, on this server's event loop (started, stopped on its own)."""
+        return ServerBeside(self, app, **config).start()
+
+
+class ServerBeside:
+    """An ASGI app served by uvicorn on a running ``ServerThread``'s event loop.
+
+    kvgate serves its admin listener on the gateway's own loop (``gateway.server.serve``), and the
+    two share objects bound to that loop: the replica pool's kept-alive connections. Served from a
+    thread of its own, an admin call that opened one (a health check of a replica added through the
+    API) left it to the gateway's loop, whose request then waited on a future that another thread's
+    loop resolved, and at shutdown the connection's close was scheduled on a loop already closed."""
+
+    def __init__(self, host: ServerThread, app: Any, **config: Any) -> None:
+        self.host = host
+        self._sock = free_socket()
+        self.port: int = self._sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, lifespan="off", log_level="warning", access_log=False, loop="asyncio", **config))
+        self._served: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerBeside":
+        if self.host.loop is None or not self.host.loop.is_running():
+            raise RuntimeError("the host server is not running")
+        self._served = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[self._sock]), self.host.loop)
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if self._served.done():
+                self._served.result()  # raises what stopped it
+                raise RuntimeError("server exited during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self._served is not None and self.host.loop is not None and self.host.loop.is_running():
+            try:
+                self._served.result(timeout)
+            except Exception:  # the host's loop stopped under it: nothing left to wait for
+                pass

@@ -17,7 +17,7 @@ from vllm_sim.server import build_app as build_sim
 from vllm_sim.timing import TimingModel
 
 from .minilm import shared_minilm
-from .servers import ServerThread
+from .servers import ServerBeside, ServerThread
 
 MODEL = "sim-model"
 
@@ -51,7 +51,7 @@ class Stack(GatewayAt):
     gateway: ServerThread
     settings: Settings
     extra: list[ServerThread] = field(default_factory=list)
-    admin: ServerThread | None = None
+    admin: ServerBeside | None = None
 
     def sim_url(self, name: str) -> str:
         return self.sims[name].url
@@ -105,7 +105,7 @@ def start_stack(n: int = 2, *, sim: dict[str, Any] | None = None, per_sim: dict[
     gateway = ServerThread(app).start()
     admin_server = None
     if admin_token is not None:
-        admin_server = ServerThread(build_admin_app(app.state.runtime), lifespan="off").start()
+        admin_server = gateway.beside(build_admin_app(app.state.runtime))
     return Stack(sims, gateway, settings, admin=admin_server)
 
 
