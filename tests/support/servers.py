@@ -12,7 +12,7 @@ import asyncio
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 
@@ -34,6 +34,17 @@ def free_socket(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+
+
+def _wait_started(server: uvicorn.Server, exited: Callable[[], bool], timeout: float) -> None:
+    """Until ``server`` has started; raises if ``exited()`` says it ended first, or at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if exited():
+            raise RuntimeError("server exited during start-up")
+        if time.monotonic() > deadline:
+            raise TimeoutError("server did not start")
+        time.sleep(0.01)
 
 
 class ServerThread:
@@ -87,13 +98,7 @@ class ServerThread:
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
         self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self._thread.is_alive():
-                raise RuntimeError("server thread exited during start-up")
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not start")
-            time.sleep(0.01)
+        _wait_started(self.server, lambda: not self._thread.is_alive(), timeout)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -155,14 +160,7 @@ class ServerBeside:
         if self.host.loop is None or not self.host.loop.is_running():
             raise RuntimeError("the host server is not running")
         self._served = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[self._sock]), self.host.loop)
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if self._served.done():
-                self._served.result()  # raises what stopped it
-                raise RuntimeError("server exited during start-up")
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not start")
-            time.sleep(0.01)
+        _wait_started(self.server, self._served.done, timeout)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
