@@ -367,6 +367,43 @@ def test_a_shutdown_answers_every_queued_request_with_a_503_and_lets_the_one_in_
         upstream.stop()
 
 
+def test_seats_are_learned_only_beside_a_batch_that_is_not_prefilling() -> None:
+    """vLLM spends a step's token budget on its running requests first, a long prompt's next chunk
+    among them, so a request waits with seats free. The gateway learns no seats from that queue
+    while its own streams there lack their first event, and learns them once the batch decodes."""
+    fleet = Fleet({"r1": {}}, [{"name": "a", "api_keys": ["sk-a"]}], pool={**POOL, "metrics_interval_s": 0.05})
+    capture, r1 = fleet.captures["r1"], fleet.app.state.runtime.pool.replicas["r1"]
+
+    def stream(text: str) -> httpx.Response:
+        return httpx.post(fleet.url + "/v1/chat/completions", timeout=30, headers={"authorization": "Bearer sk-a"},
+                          json={"model": MODEL, "max_tokens": 2, "stream": True,
+                                "messages": [{"role": "user", "content": text}]})
+
+    try:
+        # The long prompt's answer then stays open (HOLD: its last token waits), so it is its first
+        # event, not its end, that tells the gateway the batch no longer prefills.
+        answers = [_background(stream, text) for text in ("FIRST:long HOLD", "FIRST:kept")]
+        fleet.wait_for(lambda: len(capture.received) == 2, "both requests at the replica")
+        # The long prompt is being chunked, the other kept waiting: vLLM's gauges then.
+        capture.metrics = ('vllm:num_requests_running{model_name="m"} 1.0\n'
+                           'vllm:num_requests_waiting{model_name="m"} 1.0\n')
+        fleet.wait_for(lambda: r1.running == 1.0, "a scrape of that queue")
+        assert r1.capacity is None and fleet.admission.limit(r1) is None  # no seat count from it
+        Capture.release_at(fleet.upstreams["r1"].url, "long")  # its first token: it decodes now
+        fleet.wait_for(lambda: r1.capacity == 1.0, "the seats learned beside a batch that decodes")
+        assert r1.in_flight == 2
+        Capture.release_at(fleet.upstreams["r1"].url, "kept")
+        fleet.release()
+        for thread, out in answers:
+            thread.join(30)
+            assert out["result"].status_code == 200 and out["result"].text.endswith("data: [DONE]\n\n")
+        assert r1.in_flight == r1.unstarted == 0
+    finally:
+        for name in ("long", "kept"):
+            Capture.release_at(fleet.upstreams["r1"].url, name)
+        fleet.close()
+
+
 def test_a_runtime_tenants_class_set_through_the_admin_api_reaches_the_replica() -> None:
     from gateway.admin.api import build_admin_app
 

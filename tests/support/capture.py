@@ -4,7 +4,10 @@ For the tests that must see the exact bytes a replica received (which ``priority
 reached it) or must keep a replica's slot busy for as long as they choose (the
 fair queue's order, deadline, disconnects and shutdown): a request whose prompt
 contains ``HOLD`` is answered only after ``POST /release`` (a streamed chat request
-sends all its tokens but the last first, one chunk each). It answers chat,
+sends all its tokens but the last first, one chunk each). A streamed chat request
+whose prompt holds a word ``FIRST:<name>`` sends its first chunk only after
+``POST /release?name=<name>``: a prompt the replica is still prefilling. ``metrics``
+is what ``/metrics`` answers (vLLM's gauges, as a test sets them). It answers chat,
 completions and Anthropic messages with fixed, well-formed bodies; with
 ``refuse_priority`` it refuses a non-zero ``priority`` with a 400, as vLLM does
 under its default ``--scheduling-policy fcfs``.
@@ -51,7 +54,8 @@ class Capture:
     model: str
     refuse_priority: bool = False
     received: list[Received] = field(default_factory=list)
-    _release: asyncio.Event | None = None
+    metrics: str = ""
+    _releases: dict[str, asyncio.Event] = field(default_factory=dict)
 
     def app(self) -> Starlette:
         async def generate(request: Request) -> Response:
@@ -68,10 +72,11 @@ class Capture:
             return Response(orjson.dumps(self._answer(got.path)), media_type="application/json")
 
         async def release(request: Request) -> Response:
-            if self._release is None:
-                self._release = asyncio.Event()
-            self._release.set()
+            self._releases.setdefault(request.query_params.get("name", "hold"), asyncio.Event()).set()
             return Response()
+
+        async def metrics(request: Request) -> Response:
+            return Response(self.metrics, media_type="text/plain")
 
         async def models(request: Request) -> Response:
             return Response(orjson.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]}),
@@ -87,17 +92,18 @@ class Capture:
             Route("/release", release, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", ok, methods=["GET"]),
-            Route("/metrics", ok, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ])
 
-    async def _held(self) -> None:
-        if self._release is None:
-            self._release = asyncio.Event()
-        await self._release.wait()
+    async def _held(self, name: str = "hold") -> None:
+        await self._releases.setdefault(name, asyncio.Event()).wait()
 
     async def _stream(self, got: Received) -> Any:
         """``max_tokens`` chunks of one token each (3 without it), then usage and [DONE]."""
         n = got.body.get("max_tokens") or 3
+        for word in got.text.split():
+            if word.startswith("FIRST:"):
+                await self._held(word.removeprefix("FIRST:"))
         for i in range(n):
             if i == n - 1 and "HOLD" in got.text:
                 await self._held()
@@ -112,8 +118,8 @@ class Capture:
         yield b"data: [DONE]\n\n"
 
     @staticmethod
-    def release_at(url: str) -> None:
-        httpx.post(url + "/release", timeout=5).raise_for_status()
+    def release_at(url: str, name: str = "hold") -> None:
+        httpx.post(url + "/release", params={"name": name}, timeout=5).raise_for_status()
 
     def _answer(self, path: str) -> dict[str, Any]:
         usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
