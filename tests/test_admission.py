@@ -53,14 +53,14 @@ def test_a_queue_beside_a_prompt_being_chunked_is_no_seat_count() -> None:
     batch that none of this instance's requests runs mid-prefill (their first token not back)."""
     pool, adm = _admission()
     r = pool.add("r1", "http://127.0.0.1:1")
-    long_prompt, kept = pool.acquire(r), pool.acquire(r)  # neither has its first token
+    long_prompt, kept = pool.acquire(r, stream=True), pool.acquire(r, stream=True)  # neither has its first token
     apply_vllm_metrics(r, _scrape(running=1, waiting=1))  # the long prompt chunked, one kept waiting
     assert r.capacity is None and adm.limit(r) is None
     long_prompt.started()  # decoding now: a queue beside it is one for seats (or KV blocks)
     apply_vllm_metrics(r, _scrape(running=1, waiting=1))
     assert r.capacity == 1 and r.capacity_confirmed
     # What runs is a floor on the seats whatever waits beside it: a larger batch raises them.
-    third = pool.acquire(r)
+    third = pool.acquire(r, stream=True)
     apply_vllm_metrics(r, _scrape(running=3, waiting=0))
     assert r.capacity == 3 and not r.capacity_confirmed
     for lease in (long_prompt, kept, third):
@@ -218,7 +218,7 @@ async def test_a_waiter_handed_the_probe_seat_keeps_it_when_the_seat_is_withdraw
     r = pool.add("r1", "http://127.0.0.1:1", models=["m"])
     noisy = Tenant("noisy", "n", "salt", queue_timeout_s=60)
     tickets = [adm.ticket(noisy, "standard", 10) for _ in range(4)]
-    leases = [pool.acquire(r) for _ in range(5)]
+    leases = [pool.acquire(r, stream=True) for _ in range(5)]
     for lease in leases[:4]:
         lease.started()  # the 4 running are decoding: their first token is back
     for t in tickets:
@@ -230,7 +230,7 @@ async def test_a_waiter_handed_the_probe_seat_keeps_it_when_the_seat_is_withdraw
     leases.pop().release()
     tickets[0] = adm.ticket(noisy, "standard", 10)
     tickets[0].hold()
-    leases.append(pool.acquire(r))
+    leases.append(pool.acquire(r, stream=True))
     adm.pump()
     assert adm.limit(r) == 4  # noisy shows demand with nothing waiting: promised, no probe seat
     waiter = asyncio.ensure_future(adm.ticket(noisy, "standard", 10).wait("m"))
@@ -243,7 +243,7 @@ def test_no_probe_seat_once_the_replica_refused_one_while_slots_are_promised() -
     pool = ReplicaPool(PoolSettings(), httpx.AsyncClient())
     adm = Admission(pool, active=lambda: True, clock=lambda: clock[0])
     r = pool.add("r1", "http://127.0.0.1:1")
-    leases = [pool.acquire(r) for _ in range(6)]  # all of them ours
+    leases = [pool.acquire(r, stream=True) for _ in range(6)]  # all of them ours
     for lease in leases[:4]:
         lease.started()  # the 4 running are decoding: their first token is back
     apply_vllm_metrics(r, _scrape(running=4, waiting=2))
@@ -278,7 +278,7 @@ def test_a_seat_short_in_steps_where_a_request_ended_is_not_confirmed_so_the_pro
     r = pool.add("r1", "http://127.0.0.1:1")
     adm.ticket(Tenant("quiet", "q", "salt"), "standard", 10).hold()  # slots are promised throughout
     seats = 4
-    leases = [pool.acquire(r) for _ in range(10)]  # a flood reached the replica before any limit
+    leases = [pool.acquire(r, stream=True) for _ in range(10)]  # a flood reached the replica before any limit
 
     def scrape(running: int) -> None:
         """The replica's gauges, all of its requests ours, those running decoding; the pump, as
@@ -297,7 +297,7 @@ def test_a_seat_short_in_steps_where_a_request_ended_is_not_confirmed_so_the_pro
         while leases and not adm.has_slot(r):
             leases.pop().release()
         while adm.has_slot(r):
-            leases.append(pool.acquire(r))
+            leases.append(pool.acquire(r, stream=True))
         scrape(running=min(len(leases), seats))
     # It ran 4 (the probe seat), then refused a fifth: confirmed, and no probe while promised.
     assert r.capacity == seats and r.capacity_confirmed and adm.limit(r) == seats

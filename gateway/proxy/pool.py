@@ -126,13 +126,15 @@ class Lease:
 
     __slots__ = ("replica", "_released", "_on_release", "_started")
 
-    def __init__(self, replica: Replica, on_release: Callable[[Replica], None]) -> None:
+    def __init__(self, replica: Replica, on_release: Callable[[Replica], None], stream: bool = False) -> None:
         self.replica = replica
         self._released = False
-        self._started = False
+        # Only a stream has a first token to wait for (``Replica.unstarted``).
+        self._started = not stream
         self._on_release = on_release
         replica.in_flight += 1
-        replica.unstarted += 1
+        if stream:
+            replica.unstarted += 1
         if replica.held > replica.in_flight_peak:
             replica.in_flight_peak = replica.held
 
@@ -258,9 +260,9 @@ class ReplicaPool:
                 names |= r.models
         return sorted(names)
 
-    def acquire(self, replica: Replica) -> Lease:
+    def acquire(self, replica: Replica, stream: bool = False) -> Lease:
         self.active_requests += 1
-        return Lease(replica, self._released)
+        return Lease(replica, self._released, stream)
 
     def _released(self, replica: Replica) -> None:
         self.active_requests -= 1
@@ -476,11 +478,11 @@ def _learn_seats(replica: Replica) -> None:
     prompt being chunked (a 6,000-token prompt beside one request kept waiting read as one seat,
     confirmed). This instance knows which of its own streams have their first token: while more
     of them lack it than the replica reports waiting, some of them run mid-prefill, and the scrape
-    learns no seats. A request not streamed, or another client's, mid-prefill is not seen here. Beside a batch that is
-    not prefilling, what runs is what it holds (--max-num-seqs or KV blocks); once known, any
-    larger batch it runs raises it (admission's probe seat is how it gets the chance). The largest
-    seen: a batch of long prompts holds fewer, and kvgate would rather let the replica queue one
-    request than leave seats empty after a run of long prompts.
+    learns no seats. A request not streamed, or another client's, mid-prefill is not seen here.
+    Beside a batch that is not prefilling, what runs is what it holds (--max-num-seqs or KV
+    blocks); once known, any larger batch it runs raises it (admission's probe seat is how it gets
+    the chance). The largest seen: a batch of long prompts holds fewer, and kvgate would rather let
+    the replica queue one request than leave seats empty after a run of long prompts.
 
     The running count is a floor, never a ceiling: vLLM sets its gauges at the end of a step,
     after it counted the requests that finished in it out of running and before the next step

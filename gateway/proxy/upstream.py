@@ -215,9 +215,7 @@ async def _attempts(
                     break
                 budget_held += held
             gone = False
-            lease = pool.acquire(replica)
-            if call.first is None:
-                lease.started()  # an answer not streamed shows no first token: not counted (Replica.unstarted)
+            lease = pool.acquire(replica, stream=call.first is not None)
             try:
                 response = await pool.transport.handle_async_request(_request(replica, call, replica_keys, timeout))
             except httpx.TimeoutException as e:
