@@ -404,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instances", type=int, default=1, help="kvgate processes (requests spread at random)")
     p.add_argument("--redis-url", default=None,
                    help=f"Redis for {', '.join(SHARED_ROWS)} (default: a private redis-server)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="each replica's token budget a step (vLLM's flag, 2048 by default on most GPUs): "
+                        "long prompts chunked over steps; default: whole prompts, as the published runs")
     p.add_argument("--precise", action="store_true",
                    help=f"replicas with a real tokenizer and KV events, and a '{PRECISE}' row beside 'prefix_affinity'")
     args = p.parse_args(argv)
@@ -431,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                  for name in args.workloads for seed in (args.seeds if family_of(name) else args.seeds[:1])}
     pools = {name: workload_pool(w, args) for name, w in workloads.items()}
     flags = {"kv_blocks": next(iter(pools.values())).blocks, **SIM_FLAGS}
+    if args.max_num_batched_tokens:
+        flags["max_num_batched_tokens"] = args.max_num_batched_tokens
     names = [f"r{i + 1}" for i in range(args.replicas)]
     args.tokenizer = tokenizer_dir() if args.precise else None
     sims = start_event_sims(names, flags, args.tokenizer) if args.precise else start_sims(names, flags)

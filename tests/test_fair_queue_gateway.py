@@ -404,6 +404,45 @@ def test_seats_are_learned_only_beside_a_batch_that_is_not_prefilling() -> None:
         fleet.close()
 
 
+def test_a_replica_chunking_a_long_prompt_teaches_no_seats_and_a_full_batch_teaches_them() -> None:
+    """The same rule against the simulator's own scheduler, which chunks prompts as vLLM's does
+    (its parity with vLLM's is tests/test_sim_vllm_scheduler_parity.py): with 64 tokens a step, a
+    2,000-token prompt holds the budget for 32 steps while a short request waits beside three free
+    seats. The gateway must read that queue and learn nothing from it; then six long answers on
+    four seats show the seats (four running, two waiting, every first token of ours back)."""
+    from tests.support.stack import MODEL as SIM_MODEL
+    from tests.support.stack import start_stack
+    from vllm_sim.timing import TimingModel
+
+    timing = TimingModel(time_scale=1.0, max_num_seqs=4, max_num_batched_tokens=64, prefill_base_s=0.0,
+                         prefill_s_per_token=1 / 2000, decode_base_s=0.01)
+    stack = start_stack(1, sim={"timing": timing}, pool={"metrics_interval_s": 0.05})
+    r1 = stack.runtime.pool.replicas["r1"]
+
+    def stream(text: str, max_tokens: int) -> httpx.Response:
+        return httpx.post(stack.url + "/v1/chat/completions", timeout=60,
+                          json={"model": SIM_MODEL,
+                                "max_tokens": max_tokens, "stream": True,
+                                "messages": [{"role": "user", "content": text}]})
+
+    try:
+        long = _background(stream, "lorem ipsum " * 1000, 2)
+        assert stack.wait_for(lambda: r1.running == 1.0, timeout=10), "the long prompt admitted"
+        short = _background(stream, "a short question", 2)
+        assert stack.wait_for(lambda: r1.waiting == 1.0 and r1.running == 1.0, timeout=10), \
+            "a scrape of the short request waiting beside the prompt being chunked"
+        assert r1.capacity is None  # learned from that scrape, it would be 1
+        answers = [long, short]
+        assert stack.wait_for(lambda: r1.in_flight == 0, timeout=30)
+        answers += [_background(stream, f"question {i}", 150) for i in range(6)]
+        assert stack.wait_for(lambda: r1.capacity == 4.0, timeout=30), (r1.capacity, r1.running, r1.waiting)
+        for thread, out in answers:
+            thread.join(60)
+            assert out["result"].status_code == 200 and out["result"].text.endswith("data: [DONE]\n\n")
+    finally:
+        stack.close()
+
+
 def test_a_runtime_tenants_class_set_through_the_admin_api_reaches_the_replica() -> None:
     from gateway.admin.api import build_admin_app
 

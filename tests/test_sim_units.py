@@ -182,6 +182,29 @@ def test_pool_refuses_without_side_effects_when_pinned_blocks_fill_it() -> None:
     assert pool.allocate(block_hashes(_prompt(2, 2)), 32) is not None
 
 
+def test_a_prompt_prefilled_in_chunks_caches_each_block_once_its_chunk_fills_it() -> None:
+    """vLLM's ``allocate_slots`` with a token budget: the whole prompt must fit to be admitted, the
+    first chunk gets blocks, and each chunk caches the prompt blocks it completes (one Stored run
+    per chunk, chained to the block before it), so a later request finds them at once."""
+    pool = KVPool(10, events=True)
+    ids = _prompt(1, 6, extra=4)  # 100 tokens: 6 full blocks and a partial one
+    hashes = block_hashes(ids)
+    held = pool.allocate(hashes, len(ids), ids, limit=40)
+    assert held is not None and held.num_blocks == 3 and held.num_tokens == 40
+    first_chunk = pool.take_events()
+    # Only full blocks of computed tokens are cached: 2 of the 3 (32 of the 40 tokens).
+    assert [len(e.hashes) for e in first_chunk] == [2] and pool.match(hashes) == 2
+    assert pool.grow(held, 40, hashes, ids) and held.num_tokens == 80 and held.num_blocks == 5
+    [second] = pool.take_events()
+    assert second.hashes == tuple(hashes[2:5]) and second.parent == hashes[1]
+    assert second.token_ids == tuple(ids[32:80]) and pool.match(hashes) == 5
+    assert pool.grow(held, 20, hashes, ids) and held.num_blocks == 7 and len(held.pinned) == 6
+    # 3 of 10 blocks left: a 3-block prompt fits, and a 4-block one does not, though its first
+    # 16-token chunk would.
+    assert pool.allocate(block_hashes(_prompt(2, 4)), 64, limit=16) is None
+    assert pool.allocate(block_hashes(_prompt(2, 3)), 48, limit=16) is not None
+
+
 def test_pool_shared_blocks_stay_pinned_until_every_user_releases() -> None:
     pool = KVPool(16)
     ids = _prompt(1, 4, extra=1)

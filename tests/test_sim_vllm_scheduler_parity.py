@@ -9,18 +9,26 @@ fits in one step). The simulator's ``Engine`` runs the same requests at
 ``time_scale=0``, all submitted before its first step, as they are all added
 before vLLM's first ``schedule``.
 
-Compared, per case: the order requests were first admitted, the requests
-preempted in order (vLLM's ``_preempt_request`` is wrapped to note each call
-and then run as is), and the order they finished. Cases are seeded and random:
-both policies, ``max_num_seqs`` from 1 to 6, pools from just enough for the
-longest request to three times that, so that a good share of them preempt (the
-test asserts they do, so it cannot pass on cases that never run out of blocks).
+Compared, per case: the order requests were first admitted and the prompt
+tokens each found cached then, the requests preempted in order (vLLM's
+``_preempt_request`` is wrapped to note each call and then run as is), the
+order they finished, and, in the order first tokens came, the running and
+waiting counts that ``/metrics`` shows at the end of that step (vLLM's
+``len(running)``, ``len(waiting)``; the simulator's ``Engine.reported``, read by
+each consumer at its first token). Cases are seeded and random: both policies,
+``max_num_seqs`` from 1 to 6, pools from just enough for the longest request to
+three times that, so that a good share of them preempt (the test asserts they
+do, so it cannot pass on cases that never run out of blocks).
 
-Two settings make the two pools the same size: vLLM's block pool keeps one
-block as its null block, so vLLM gets ``num_blocks + 1``; and its token budget
-(``max_num_batched_tokens``) is large enough that no prefill is chunked, as the
-simulator never chunks one. Distinct prompts keep prefix hits out of it (a hit
-changes no block count, only prefill time, which neither side reports here).
+Half the cases have a token budget (``max_num_batched_tokens``, from
+``max_num_seqs`` to 80 tokens against prompts of 5 to 70), so that prompts are
+prefilled in chunks over several steps and requests wait with seats free (the
+test asserts both happen); the others have a budget no prompt reaches. Some
+cases share prefixes between their prompts, so that a chunk's blocks are found
+cached by a request admitted after it. vLLM's block pool keeps one block as its
+null block, so vLLM gets ``num_blocks + 1``. vLLM's model runner returns no
+sampled token for a request whose prompt is not yet complete
+(``is_prefill_chunk``), and the harness does the same.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ import json, sys
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -56,10 +66,14 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 spec = json.load(open(sys.argv[1]))
 traces = []
+# As EngineCore builds it with prefix caching on: without a block hasher a Request has no block hashes.
+hash_fn = get_hash_fn_by_name("sha256")
+init_none_hash(hash_fn)
 for case in spec["cases"]:
     bs, max_len, seqs = case["block_size"], case["max_model_len"], case["max_num_seqs"]
     model = ModelConfig(model=spec["model_dir"], max_model_len=max_len, skip_tokenizer_init=True)
-    sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=max_len * seqs, max_model_len=max_len,
+    budget = case.get("max_num_batched_tokens") or max_len * seqs
+    sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                             is_encoder_decoder=False, policy=case["policy"])
     config = VllmConfig(model_config=model, scheduler_config=sched,
                         cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True))
@@ -78,62 +92,81 @@ for case in spec["cases"]:
         return _preempt(request, *args, **kwargs)
 
     scheduler._preempt_request = noted
+    requests = {}
     for i, r in enumerate(case["requests"]):
         params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True)
-        scheduler.add_request(Request(r["id"], r["prompt"], params, None, arrival_time=float(i),
-                                      priority=r["priority"]))
-    admitted, finished = [], []
+        requests[r["id"]] = Request(r["id"], r["prompt"], params, None, arrival_time=float(i),
+                                    priority=r["priority"], block_hasher=get_request_block_hasher(bs, hash_fn))
+        scheduler.add_request(requests[r["id"]])
+    admitted, cached, finished, first = [], [], [], []
     for _ in range(100_000):
         if not scheduler.has_requests():
             break
         out = scheduler.schedule()
         running = [req.request_id for req in scheduler.running]
-        admitted += [rid for rid in running if rid not in admitted]
+        for rid in running:
+            if rid not in admitted:
+                admitted.append(rid)
+                cached.append(requests[rid].prefill_stats.num_cached_tokens)
         ids = list(out.num_scheduled_tokens)
+        sampled = [[] if requests[rid].is_prefill_chunk else [7] for rid in ids]
         runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                                   sampled_token_ids=[[7] for _ in ids])
+                                   sampled_token_ids=sampled)
         scheduler.update_from_output(out, runner)
+        gauges = [len(scheduler.running), len(scheduler.waiting)]
+        first += [[rid, *gauges] for rid, s in zip(ids, sampled)
+                  if s and len(requests[rid].output_token_ids) == 1 and [rid] not in [f[:1] for f in first]]
         finished += [rid for rid in running if rid not in scheduler.requests]
-    traces.append({"admitted": admitted, "preempted": preempted, "finished": finished})
+    traces.append({"admitted": admitted, "cached": cached, "preempted": preempted, "finished": finished,
+                   "first": first})
 print(json.dumps(traces))
 '''
 
 
-def _cases(seed: int = 28, count: int = 40) -> list[dict[str, Any]]:
+def _cases(seed: int = 28, count: int = 80) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     cases = []
     for _ in range(count):
         requests = []
+        shared = rng.random() < 0.3  # prompts share a prefix of 0 to 3 blocks
         for i in range(rng.randint(3, 8)):
-            prompt = [1000 * (i + 1) + j for j in range(rng.randint(5, 70))]
+            head = [7 + j for j in range(BLOCK_SIZE * rng.randint(0, 3))] if shared else []
+            prompt = head + [1000 * (i + 1) + j for j in range(rng.randint(5, 70))]
             requests.append({"id": f"r{i}", "prompt": prompt, "max_tokens": rng.randint(1, 60),
                              "priority": rng.choice([0, 0, 1, 2, 5, -1])})
         # Every request fits the pool alone (vLLM refuses to start with less than max_model_len).
         longest = max(-(-(len(r["prompt"]) + r["max_tokens"]) // BLOCK_SIZE) for r in requests)
-        cases.append({"policy": rng.choice(["fcfs", "priority"]), "max_num_seqs": rng.randint(1, 6),
+        seqs = rng.randint(1, 6)
+        cases.append({"policy": rng.choice(["fcfs", "priority"]), "max_num_seqs": seqs,
                       "num_blocks": rng.randint(longest, 3 * longest), "block_size": BLOCK_SIZE,
-                      "max_model_len": MAX_MODEL_LEN, "requests": requests})
+                      "max_model_len": MAX_MODEL_LEN, "requests": requests,
+                      "max_num_batched_tokens": rng.randint(seqs, 80) if rng.random() < 0.5 else None})
     return cases
 
 
-async def _sim_trace(case: dict[str, Any]) -> dict[str, list[str]]:
-    engine = Engine(KVPool(case["num_blocks"], case["block_size"]),
-                    TimingModel(max_num_seqs=case["max_num_seqs"], time_scale=0), policy=case["policy"])
+async def _sim_trace(case: dict[str, Any]) -> dict[str, list[Any]]:
+    timing = TimingModel(max_num_seqs=case["max_num_seqs"], time_scale=0,
+                         max_num_batched_tokens=case.get("max_num_batched_tokens"))
+    engine = Engine(KVPool(case["num_blocks"], case["block_size"]), timing, policy=case["policy"])
     finished: list[str] = []
+    first: list[list[Any]] = []
 
     async def run(r: dict[str, Any]) -> None:
         request = GenRequest(r["id"], r["prompt"], r["max_tokens"], priority=r["priority"])
         async with engine.generate(request) as gen:
             async for _ in gen:
-                pass
+                if gen.completion_tokens == 1:
+                    # A consumer runs after the step that woke it and before the next one ends:
+                    # ``reported`` is still that step's.
+                    first.append([r["id"], *engine.reported])
         finished.append(r["id"])  # woken in the order the step emitted the last tokens
 
     # The tasks start in order and all submit before the engine's first step.
     await asyncio.gather(*(run(r) for r in case["requests"]))
     await engine.aclose()
     # cached_tokens is recorded at each request's first admission, in order.
-    return {"admitted": list(engine.stats.cached_tokens), "preempted": list(engine.stats.preempted),
-            "finished": finished}
+    return {"admitted": list(engine.stats.cached_tokens), "cached": list(engine.stats.cached_tokens.values()),
+            "preempted": list(engine.stats.preempted), "finished": finished, "first": first}
 
 
 def test_engine_admits_preempts_and_finishes_as_vllms_scheduler(tmp_path: Path, vllm_worker: VllmWorker) -> None:
@@ -153,6 +186,12 @@ def test_engine_admits_preempts_and_finishes_as_vllms_scheduler(tmp_path: Path, 
     overtaken = [v for c, v in zip(cases, vllm)
                  if c["policy"] == "priority" and v["admitted"] != [r["id"] for r in c["requests"]]]
     assert overtaken
+    # Budgets chunk prompts: requests wait beside free seats, which whole prompts never make them do
+    # while blocks are plentiful; shared prefixes are found cached, chunks' blocks included.
+    waited = [c for c, v in zip(cases, vllm) if c["max_num_batched_tokens"] and
+              any(waiting and running < c["max_num_seqs"] for _, running, waiting in v["first"])]
+    assert len(waited) >= 5, len(waited)
+    assert sum(1 for v in vllm if any(v["cached"])) >= 10
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
@@ -172,7 +211,8 @@ def test_a_hand_made_case_preempts_the_policys_victim(policy: str, tmp_path: Pat
     assert asyncio.run(_sim_trace(case)) == vllm
     if policy == "priority":
         # Admitted by priority; the lowest priorities (d, then a) are preempted.
-        assert vllm == {"admitted": ["b", "c", "a", "d"], "preempted": ["d", "a"], "finished": ["c", "b", "a", "d"]}
+        assert {k: vllm[k] for k in ("admitted", "preempted", "finished")} == {
+            "admitted": ["b", "c", "a", "d"], "preempted": ["d", "a"], "finished": ["c", "b", "a", "d"]}
     else:
         # Admitted in arrival order; the last admitted (d, then c) are preempted.
         assert vllm["admitted"] == ["a", "b", "c", "d"] and vllm["preempted"][:2] == ["d", "c"], vllm

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--time-scale", type=float, default=t.time_scale,
                         help="multiply every duration (0.01 = 100x faster, 0 = no sleeping)")
     timing.add_argument("--max-num-seqs", type=int, default=t.max_num_seqs)
+    timing.add_argument("--max-num-batched-tokens", type=int, default=t.max_num_batched_tokens,
+                        help="tokens one engine step schedules, long prompts chunked over steps, as vLLM's "
+                             "(default: no budget, every prompt whole in one step)")
     timing.add_argument("--scheduling-policy", choices=POLICIES, default=d.scheduling_policy,
                         help="vLLM's: fcfs, or priority (lower 'priority' first, ties by arrival; "
                              "preemption takes the lowest priority)")
@@ -112,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     timing = TimingModel(
         prefill_base_s=args.prefill_base_s, prefill_s_per_token=args.prefill_s_per_token,
         decode_base_s=args.decode_base_s, decode_s_per_seq=args.decode_s_per_seq,
-        max_num_seqs=args.max_num_seqs, time_scale=args.time_scale, prefill_speed=args.prefill_speed,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        time_scale=args.time_scale, prefill_speed=args.prefill_speed,
         kv_transfer_s_per_token=args.kv_transfer_s_per_token,
     )
     faults = Faults(

@@ -12,6 +12,16 @@ then every running sequence emits one token. So a request's time to first
 token is its queueing plus one step whose length depends on its cache hit,
 and its inter-token time grows with the batch it shares.
 
+With a token budget (``TimingModel.max_num_batched_tokens``, vLLM's
+--max-num-batched-tokens) a step schedules at most that many tokens, running
+sequences first, in order (a decode takes one, a prompt being prefilled its
+next chunk), then waiting ones while the budget lasts; the last admitted may
+get only a chunk of its prompt, and its blocks are allocated and cached chunk
+by chunk. A sequence emits a token only at the end of a step that completed
+its prompt (or decoded), so a long prompt spans steps and the requests behind
+it wait with seats free, as in vLLM. Without a budget every prompt is
+prefilled whole in the step that admits it.
+
 A preempted sequence loses its blocks (its hashed prompt blocks stay cached,
 as a freed request's do) and goes back to the waiting queue; when it is
 admitted again it recomputes its prompt and the tokens it already produced
@@ -56,6 +66,9 @@ _STALE_SEED = 0x5A5A5A5A
 
 # Lag behind the step deadline forgiven at once (the loop was busy, not the GPU).
 _MAX_LAG_S = 0.05
+
+# The token budget of a step without --max-num-batched-tokens: every prompt whole.
+_UNBOUNDED = 1 << 62
 
 
 class PromptTooLong(ValueError):
@@ -118,7 +131,7 @@ class _Seq:
     """One choice of a request as the scheduler sees it."""
 
     __slots__ = ("gen", "index", "writer", "target", "produced", "allocation", "computed", "prefill_s",
-                 "sort_key", "preemptions")
+                 "sort_key", "preemptions", "kv_tokens", "step_tokens", "decoding")
 
     def __init__(self, gen: Generation, index: int, target: int, seed: int, arrival: int) -> None:
         self.gen = gen
@@ -134,6 +147,17 @@ class _Seq:
         # scaled seconds from its scheduling to its first token: vLLM's two prefill histograms.
         self.computed = 0
         self.prefill_s = 0.0
+        # vLLM's num_computed_tokens (its KV, once this step ends); the tokens this step
+        # schedules for it (0: not scheduled, the budget spent before its turn); and whether it
+        # has emitted a token since it was last admitted (its next step is a decode).
+        self.kv_tokens = 0
+        self.step_tokens = 0
+        self.decoding = False
+
+    @property
+    def total(self) -> int:
+        """The tokens its KV must hold before its next token: the prompt and what it produced."""
+        return self.gen.prompt_tokens + self.produced
 
 
 class Generation:
@@ -322,21 +346,26 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 self._deadline = loop.time()
-            preempted = self._schedule_running()
-            decoding = len(self._running)
+            budget = self.timing.max_num_batched_tokens or _UNBOUNDED
+            for seq in self._running:
+                seq.step_tokens = 0
+            budget, preempted = self._schedule_running(budget)
             # vLLM admits nobody in a step that preempted (the freed blocks go to the
             # running requests that needed them, not to newcomers).
-            uncached = 0 if preempted else self._admit()
+            if not preempted:
+                self._admit(budget)
             left_waiting = self.num_waiting
+            scheduled = [seq for seq in self._running if seq.step_tokens]
+            prefills = [seq for seq in scheduled if not seq.decoding]
             duration = 0.0
-            if len(self._running) > decoding:
-                duration += self.timing.prefill_time(uncached)
-            if decoding:
-                duration += self.timing.decode_step_time(len(self._running))
-            # Admitted now, first token when this step ends: the step is their prefill time.
-            for seq in self._running[decoding:]:
+            if prefills:
+                duration += self.timing.prefill_time(sum(self._prefill_tokens(seq) for seq in prefills))
+            if len(prefills) < len(scheduled):
+                duration += self.timing.decode_step_time(len(scheduled))
+            # From its first scheduling to its first token, over every chunk: its prefill time.
+            for seq in prefills:
                 if not seq.preemptions:
-                    seq.prefill_s = duration
+                    seq.prefill_s += duration
             await self._sleep_until_step_end(loop, duration)
             self.publish_kv_events()
             self._emit_tokens()
@@ -349,23 +378,32 @@ class Engine:
             if events:
                 self.on_kv_events(events)
 
-    def _schedule_running(self) -> bool:
-        """Give each running sequence the slot for its next token, preempting when blocks run out.
+    def _schedule_running(self, budget: int) -> tuple[int, bool]:
+        """Schedule each running sequence's next tokens, preempting when blocks run out.
 
-        vLLM 0.33's ``Scheduler.schedule`` (its loop over ``self.running``): when
-        ``allocate_slots`` fails it preempts, under ``priority``, the running request
-        with the largest (priority, arrival), else the last one admitted, and tries
-        again; a request that preempts itself stops there (under ``priority`` the
-        ones after it are still served, as they are higher in priority). Returns
-        whether anything was preempted.
+        vLLM 0.33's ``Scheduler.schedule`` (its loop over ``self.running``, while the
+        token budget lasts): a decode takes one token, a prompt being prefilled its next
+        chunk. When ``allocate_slots`` fails it preempts, under ``priority``, the running
+        request with the largest (priority, arrival), else the last one admitted, and tries
+        again; a request that preempts itself stops there (under ``priority`` the ones after
+        it are still served, as they are higher in priority, and a victim already scheduled
+        gives its tokens back to the budget). Returns the budget left and whether anything
+        was preempted.
         """
         preempted = False
         i = 0
-        while i < len(self._running):
+        while i < len(self._running) and budget > 0:
             seq = self._running[i]
+            gen = seq.gen
             allocation = seq.allocation
-            need = seq.gen.prompt_tokens + seq.produced - (allocation.num_tokens if allocation else 0)
-            while allocation is not None and need > 0 and not self.pool.grow(allocation, need):
+            step = min(seq.total - seq.kv_tokens, budget)
+            # A resumed sequence's prompt blocks are cached as its chunks fill them.
+            hashes = gen.hashes if seq.kv_tokens < gen.prompt_tokens else ()
+            lora = gen.request.lora
+            need = seq.kv_tokens + step - (allocation.num_tokens if allocation else 0)
+            while allocation is not None and need > 0 and not self.pool.grow(
+                    allocation, need, hashes, gen.request.prompt_tokens, gen.request.cache_salt,
+                    lora[0] if lora else None):
                 if len(self._running) == 1:
                     # Alone and still out of blocks: vLLM never gets here (it refuses at start-up
                     # a max_model_len its KV cache cannot hold); the simulator allows small pools,
@@ -382,6 +420,7 @@ class Engine:
                 del self._running[victim_index]
                 if victim_index < i:
                     i -= 1
+                budget += victim.step_tokens
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -390,38 +429,48 @@ class Engine:
                 if self.policy == "priority":
                     continue  # the next one now sits at i
                 break
+            seq.step_tokens = step
+            seq.kv_tokens += step
+            budget -= step
             i += 1
-        return preempted
+        return budget, preempted
 
     def _preempt(self, seq: _Seq) -> None:
         """vLLM's ``Scheduler._preempt_request``: free the blocks, back to the waiting queue, recompute."""
         self._free(seq)
+        seq.kv_tokens = seq.step_tokens = 0
+        seq.decoding = False
         seq.preemptions += 1
         self.stats.record_preemption(seq.gen.request.request_id)
         self._waiting.prepend(seq)
 
-    def _admit(self) -> int:
-        """Move waiting sequences to running while slots and blocks allow; returns prefill tokens."""
-        uncached = 0
-        while self._waiting and len(self._running) < self.timing.max_num_seqs:
+    def _admit(self, budget: int) -> None:
+        """Move waiting sequences to running while seats, blocks and the token budget allow."""
+        while self._waiting and budget > 0 and len(self._running) < self.timing.max_num_seqs:
             seq = self._waiting.peek()
             gen = seq.gen
             lora = gen.request.lora
+            remote = gen.request.remote
             resumed = seq.preemptions > 0
             # A resumed sequence recomputes what it had produced too; those tokens have no hashes.
-            total = gen.prompt_tokens + seq.produced
+            total = seq.total
+            # A prompt pulled from a prefill replica is held whole at once, and only its last
+            # token is computed (the connector loads the rest).
+            pulled = remote is not None and not resumed
             allocation = self.pool.allocate(gen.hashes, total, gen.request.prompt_tokens,
                                             gen.request.cache_salt, lora[0] if lora else None,
-                                            count=not resumed)
+                                            count=not resumed, limit=None if pulled else budget)
             if allocation is None:
                 break  # the head waits for blocks; nobody overtakes it (vLLM breaks here too)
             self._waiting.pop()
             seq.allocation = allocation
             self._running.append(seq)
+            seq.kv_tokens = allocation.num_tokens
+            seq.step_tokens = 1 if pulled else allocation.num_tokens - allocation.cached_tokens
+            budget -= seq.step_tokens
             computed = total - allocation.cached_tokens
-            remote = gen.request.remote
             cached = allocation.cached_tokens
-            if remote is not None and not resumed:
+            if remote is not None and pulled:
                 # The rest of the prompt was pulled: none of it is computed. vLLM counts local
                 # + pulled tokens as cached (PrefillStats), unless the prefill's own hit came
                 # along in the params.
@@ -430,7 +479,6 @@ class Engine:
                     remote.late(evicted)
                 computed = 0
                 cached = gen.prompt_tokens if remote.cached_report is None else remote.cached_report
-            uncached += computed
             if resumed:
                 # vLLM's prefill statistics keep the first scheduling, not the repeats.
                 continue
@@ -439,7 +487,11 @@ class Engine:
                 gen.cached_tokens = cached
                 self.stats.prompt_tokens += gen.prompt_tokens
                 self.stats.record_cached(gen.request.request_id, cached)
-        return uncached
+
+    @staticmethod
+    def _prefill_tokens(seq: _Seq) -> int:
+        """The tokens a prefill step computes for ``seq``: none for a prompt pulled whole."""
+        return 0 if seq.gen.request.remote is not None and not seq.preemptions else seq.step_tokens
 
     async def _sleep_until_step_end(self, loop: asyncio.AbstractEventLoop, duration: float) -> None:
         now = loop.time()
@@ -453,6 +505,10 @@ class Engine:
     def _emit_tokens(self) -> None:
         still_running = []
         for seq in self._running:
+            if not seq.step_tokens or seq.kv_tokens < seq.total:
+                still_running.append(seq)  # not scheduled, or a chunk of its prompt still to come
+                continue
+            seq.decoding = True
             seq.produced += 1
             done = seq.produced >= seq.target
             reason = None

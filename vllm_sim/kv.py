@@ -100,8 +100,11 @@ class Allocation:
     anonymous: int  # blocks without a hash: duplicates, the partial tail, decode growth
     cached_blocks: int
     cached_tokens: int
-    num_tokens: int
+    num_tokens: int  # tokens its blocks hold: the prompt so far, while it is prefilled in chunks
     released: bool = field(default=False)
+    # Leading prompt blocks already accounted, hashed or (a copy of a cached one) anonymous:
+    # a chunked prefill caches each prompt block once its tokens are computed, as vLLM does.
+    covered: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -170,7 +173,8 @@ class KVPool:
 
     # -- mutation ----------------------------------------------------------------------------
     def allocate(self, hashes: list[bytes], total_tokens: int, token_ids: Sequence[int] | None = None,
-                 salt: str | None = None, lora: str | None = None, *, count: bool = True) -> Allocation | None:
+                 salt: str | None = None, lora: str | None = None, *, count: bool = True,
+                 limit: int | None = None) -> Allocation | None:
         """Pin the reusable prefix and allocate blocks for the rest of a ``total_tokens`` prompt.
 
         ``hashes`` are the prompt's full-block hashes (``block_hashes``). Returns None,
@@ -178,42 +182,53 @@ class KVPool:
         cached block. Prefix-cache counters move only on success, once per admission, and
         not with ``count=False`` (a preempted request resuming: vLLM counts those apart).
         ``token_ids``, ``salt`` and ``lora`` (the prompt's, the adapter's name) are what a
-        ``Stored`` event reports.
+        ``Stored`` event reports. With ``limit``, only that many tokens past the cached prefix
+        get blocks now (a chunked prefill's first chunk: vLLM's ``allocate_slots`` with the
+        step's token budget); ``grow`` adds the rest as the chunks are scheduled.
         """
-        needed = self.blocks_for(total_tokens)
         hits = min(self.match(hashes), max(0, (total_tokens - 1) // self.block_size))
+        upto = total_tokens if limit is None else min(total_tokens, hits * self.block_size + limit)
         reused_free = sum(1 for h in hashes[:hits] if self._refs[h] == 0)
-        new = needed - hits
-        if self._pinned + reused_free + new > self.num_blocks:
+        # The whole sequence must fit, not only the first chunk (vLLM 0.33's admission gate,
+        # --scheduler-reserve-full-isl, on by default), though only the chunk gets blocks now.
+        if self._pinned + reused_free + self.blocks_for(total_tokens) - hits > self.num_blocks:
             return None
+        new = self.blocks_for(upto) - hits
         for h in hashes[:hits]:
             if self._refs[h] == 0:
                 del self._evictable[h]
             self._refs[h] += 1
         self._pinned += reused_free
         self._make_room(new)
-        pinned = list(hashes[:hits])
+        self._pinned += new
+        allocation = Allocation(list(hashes[:hits]), new, hits, hits * self.block_size, upto, covered=hits)
+        self._cache(allocation, hashes, token_ids, salt, lora)
+        if count:
+            self.queries_tokens += total_tokens
+            self.hits_tokens += hits * self.block_size
+        return allocation
+
+    def _cache(self, allocation: Allocation, hashes: Sequence[bytes], token_ids: Sequence[int] | None,
+               salt: str | None, lora: str | None) -> None:
+        """Give a hash to each prompt block the allocation now holds in full (vLLM's ``cache_blocks``)."""
+        end = min(allocation.num_tokens // self.block_size, len(hashes))
         run_start = -1  # first block of the current run of newly cached blocks
-        for i in range(hits, min(needed, len(hashes))):
+        for i in range(allocation.covered, end):
             h = hashes[i]
             # Already present (the forced-recompute last block, or a block whose
             # parent was evicted): vLLM computes a fresh, unshared copy, so do we.
             if h not in self._refs:
                 self._refs[h] = 1
-                pinned.append(h)
+                allocation.pinned.append(h)
+                allocation.anonymous -= 1
                 if run_start < 0:
                     run_start = i
             elif run_start >= 0:
                 self._stored(hashes, run_start, i, token_ids, salt, lora)
                 run_start = -1
         if run_start >= 0:
-            self._stored(hashes, run_start, min(needed, len(hashes)), token_ids, salt, lora)
-        anonymous = new - (len(pinned) - hits)
-        self._pinned += new
-        if count:
-            self.queries_tokens += total_tokens
-            self.hits_tokens += hits * self.block_size
-        return Allocation(pinned, anonymous, hits, hits * self.block_size, total_tokens)
+            self._stored(hashes, run_start, end, token_ids, salt, lora)
+        allocation.covered = max(allocation.covered, end)
 
     def _stored(self, hashes: Sequence[bytes], start: int, end: int, token_ids: Sequence[int] | None,
                 salt: str | None, lora: str | None = None) -> None:
@@ -224,11 +239,14 @@ class KVPool:
         self._events.append(Stored(tuple(hashes[start:end]), hashes[start - 1] if start else None, tokens,
                                    salt if start == 0 else None, lora))
 
-    def grow(self, allocation: Allocation, new_tokens: int) -> bool:
-        """Account ``new_tokens`` decoded tokens; False (nothing changed) if no block is left.
+    def grow(self, allocation: Allocation, new_tokens: int, hashes: Sequence[bytes] = (),
+             token_ids: Sequence[int] | None = None, salt: str | None = None, lora: str | None = None) -> bool:
+        """Account ``new_tokens`` more tokens; False (nothing changed) if no block is left.
 
-        Decode blocks are never cached: a follow-up turn re-renders the reply through
-        the chat template, so its tokens rarely line up with the decoded ones anyway.
+        A prompt's next chunk passes its ``hashes`` (and what a ``Stored`` event reports): the
+        prompt blocks it fills are cached. Decode blocks are never cached: a follow-up turn
+        re-renders the reply through the chat template, so its tokens rarely line up with the
+        decoded ones anyway.
         """
         total = allocation.num_tokens + new_tokens
         extra = self.blocks_for(total) - allocation.num_blocks
@@ -239,6 +257,8 @@ class KVPool:
             self._pinned += extra
             allocation.anonymous += extra
         allocation.num_tokens = total
+        if hashes:
+            self._cache(allocation, hashes, token_ids, salt, lora)
         return True
 
     def release(self, allocation: Allocation) -> None:

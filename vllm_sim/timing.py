@@ -24,6 +24,10 @@ class TimingModel:
     decode_base_s: float = 0.010
     decode_s_per_seq: float = 0.0002
     max_num_seqs: int = 64
+    # vLLM's --max-num-batched-tokens: the tokens one step schedules, a long prompt chunked over
+    # several (vllm_sim.engine). None: every prompt whole in the step that admits it. vLLM's
+    # default is 2048 on most GPUs and 8192 from 70 GB (EngineArgs._set_default_args).
+    max_num_batched_tokens: int | None = None
     time_scale: float = 1.0
     prefill_speed: float = 1.0
     # P/D: seconds per prompt token a decode replica waits while it pulls KV from a
@@ -33,6 +37,9 @@ class TimingModel:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            # vLLM refuses it too (SchedulerConfig): every seat must get its decode token.
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if min(self.prefill_base_s, self.prefill_s_per_token, self.decode_base_s, self.decode_s_per_seq,
                self.kv_transfer_s_per_token) < 0:
             raise ValueError("durations must be >= 0")

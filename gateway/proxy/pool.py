@@ -48,7 +48,7 @@ class Replica:
     # Its part in a P/D fleet (ReplicaSettings.role): "prefill", "decode" or "both".
     role: str = "both"
     # Seats the replica has shown it holds: its running count at a scrape that also showed
-    # requests waiting (vLLM queues only when its batch is full). None until it has queued once.
+    # requests waiting beside a batch that is not prefilling (``_learn_seats``). None until then.
     capacity: float | None = None
     # The replica has shown it has no seat beyond ``capacity``: it kept a request waiting while it
     # held no more than ``capacity`` + 1 (``apply_vllm_metrics``). Admission then gives no probe
