@@ -407,7 +407,7 @@ def test_seats_are_learned_only_beside_a_batch_that_is_not_prefilling() -> None:
 def test_a_replica_chunking_a_long_prompt_teaches_no_seats_and_a_full_batch_teaches_them() -> None:
     """The same rule against the simulator's own scheduler, which chunks prompts as vLLM's does
     (its parity with vLLM's is tests/test_sim_vllm_scheduler_parity.py): with 64 tokens a step, a
-    2,000-token prompt holds the budget for 32 steps while a short request waits beside three free
+    3,000-token prompt holds the budget for 47 steps while a short request waits beside three free
     seats. The gateway must read that queue and learn nothing from it; then six long answers on
     four seats show the seats (four running, two waiting, every first token of ours back)."""
     from tests.support.stack import MODEL as SIM_MODEL
@@ -426,7 +426,7 @@ def test_a_replica_chunking_a_long_prompt_teaches_no_seats_and_a_full_batch_teac
                                 "messages": [{"role": "user", "content": text}]})
 
     try:
-        long = _background(stream, "lorem ipsum " * 1000, 2)
+        long = _background(stream, "lorem ipsum " * 1500, 2)
         assert stack.wait_for(lambda: r1.running == 1.0, timeout=10), "the long prompt admitted"
         short = _background(stream, "a short question", 2)
         assert stack.wait_for(lambda: r1.waiting == 1.0 and r1.running == 1.0, timeout=10), \
