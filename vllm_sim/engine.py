@@ -239,9 +239,10 @@ class Engine:
         outputs (``Scheduler.make_stats`` in ``update_from_output``): the running requests
         that did not finish in it, and the waiting ones its ``schedule`` left waiting. A
         request that arrives during a step joins the scheduler only at the next one, so it
-        never shows as waiting while seats are free. Gateways read a queue beside a full
-        batch as the replica's seat count (gateway.proxy.pool), so the instantaneous count
-        would mislead them where vLLM does not."""
+        shows as waiting beside free seats only when a step's token budget ran out before it
+        (a prompt being chunked). Gateways read a queue beside a full batch as the replica's
+        seat count (gateway.proxy.pool), so the instantaneous count would mislead them where
+        vLLM does not."""
         return self._reported
 
     @property
