@@ -167,9 +167,8 @@ def at_load(workload: Workload, replicas: int, load: float) -> float:
     shorter answers. Returns the arrival rate (requests per second)."""
     capped = Workload(workload.name, [replace(r, output_tokens=min(r.output_tokens, MAX_TOKENS))
                                       for r in workload.requests], workload.description)
-    rate = calibrate(capped, ideal_hit_ratio(workload), SimSettings(replicas=replicas, timing=TimingModel(
-        prefill_s_per_token=SIM_FLAGS["prefill_s_per_token"], decode_base_s=SIM_FLAGS["decode_base_s"],
-        max_num_seqs=int(SIM_FLAGS["max_num_seqs"]))), load)
+    rate = calibrate(capped, ideal_hit_ratio(workload), SimSettings(replicas=replicas, timing=TimingModel(**SIM_FLAGS)),
+                     load)
     for r, c in zip(workload.requests, capped.requests):
         r.arrival = c.arrival
     return rate

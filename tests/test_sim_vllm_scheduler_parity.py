@@ -114,8 +114,7 @@ for case in spec["cases"]:
                                    sampled_token_ids=sampled)
         scheduler.update_from_output(out, runner)
         gauges = [len(scheduler.running), len(scheduler.waiting)]
-        first += [[rid, *gauges] for rid, s in zip(ids, sampled)
-                  if s and len(requests[rid].output_token_ids) == 1 and [rid] not in [f[:1] for f in first]]
+        first += [[rid, *gauges] for rid, s in zip(ids, sampled) if s and len(requests[rid].output_token_ids) == 1]
         finished += [rid for rid in running if rid not in scheduler.requests]
     traces.append({"admitted": admitted, "cached": cached, "preempted": preempted, "finished": finished,
                    "first": first})
